@@ -1,0 +1,42 @@
+# Every target builds what it needs: virtual environments and Debian packages are created on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint unit engine-env omni-env system-deps bench fuzz clean
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[nvml,web]' -r requirements-dev.txt
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kv-exporter demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+system-deps:
+	bash scripts/ensure-system-deps.sh
+
+engine-env:
+	bash scripts/ensure-vllm-env.sh
+
+omni-env:
+	bash scripts/ensure-omni-env.sh
+
+test: $(STAMP) system-deps engine-env omni-env lint
+	$(PY) -m pytest tests
+
+bench: $(STAMP) engine-env
+	$(PY) bench/run_all.py
+
+fuzz: $(STAMP)
+	bash scripts/fuzz.sh
+
+clean:
+	rm -rf $(VENV) .venv-* .pytest_cache .mypy_cache .ruff_cache

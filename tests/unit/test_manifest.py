@@ -1,0 +1,249 @@
+"""The manifest contract: round trip, atomic writes, strict reading with a specific reason for every fault."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from kv_exporter.manifest import (
+    Declaration,
+    EngineIdentity,
+    ManifestError,
+    ManifestLimits,
+    ProcessInfo,
+    manifest_filename,
+    parse_manifest,
+    read_manifest,
+    write_manifest,
+)
+from kv_exporter.reference import MINICPM_O, QWEN3_TTS
+from tests.unit.manifests import reference_manifest
+
+SCHEMA = json.loads(
+    (Path(__file__).parents[2] / "kv_exporter" / "schema" / "manifest.schema.json").read_text(encoding="utf-8")
+)
+
+
+def test_round_trip_through_a_file(tmp_path: Path) -> None:
+    manifest = reference_manifest()
+    path = write_manifest(tmp_path, manifest)
+    assert path.name == manifest_filename(manifest.engine)
+    assert read_manifest(path) == manifest
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_written_manifest_validates_against_the_json_schema(tmp_path: Path) -> None:
+    for model in (QWEN3_TTS, MINICPM_O):
+        document = json.loads(write_manifest(tmp_path, reference_manifest(model)).read_text())
+        jsonschema.validate(document, SCHEMA)
+
+
+def test_declaration_bytes_are_precomputed() -> None:
+    document = json.loads(reference_manifest().to_json())
+    assert document["declarations"][0]["bytes_per_row"] == 4_653_056
+    assert document["declarations"][0]["itemsize"] == 4
+
+
+def test_filename_is_stable_per_identity_and_distinct_per_rank() -> None:
+    base = EngineIdentity(model_name="org/Model Name")
+    assert manifest_filename(base) == manifest_filename(EngineIdentity(model_name="org/Model Name"))
+    names = {
+        manifest_filename(identity)
+        for identity in (
+            base,
+            EngineIdentity(model_name="org/Model Name", tp_rank=1),
+            EngineIdentity(model_name="org/Model Name", pp_rank=1),
+            EngineIdentity(model_name="org/Model Name", stage=1),
+            EngineIdentity(model_name="org/Model Name", engine_index=1, data_parallel_rank=1),
+            EngineIdentity(model_name="org_Model_Name"),  # same slug, different name
+        )
+    }
+    assert len(names) == 6
+    assert all("/" not in name and " " not in name for name in names)
+
+
+def test_rewrite_replaces_atomically_under_a_concurrent_reader(tmp_path: Path) -> None:
+    path = write_manifest(tmp_path, reference_manifest(max_num_seqs=1))
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                read_manifest(path)
+            except BaseException as exc:  # any torn read is a failure
+                failures.append(exc)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    for n in range(1, 200):
+        write_manifest(tmp_path, reference_manifest(max_num_seqs=n))
+    stop.set()
+    thread.join()
+    assert failures == []
+    assert read_manifest(path).max_num_seqs == 199
+
+
+def test_process_info_reads_proc() -> None:
+    info = ProcessInfo.current()
+    assert info.pid == os.getpid()
+    assert info.start_time_ticks is not None and info.start_time_ticks > 0
+    assert info.pid_namespace is not None and info.pid_namespace.startswith("pid:[")
+
+
+def good_document() -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(reference_manifest().to_json())
+    return document
+
+
+def mutate(change: Any) -> bytes:
+    document = good_document()
+    change(document)
+    return json.dumps(document).encode()
+
+
+def set_path(path: str, value: Any) -> Any:
+    def change(document: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        target: Any = document
+        for key in parents:
+            target = target[int(key)] if key.isdigit() else target[key]
+        target[int(last) if last.isdigit() else last] = value
+
+    return change
+
+
+def delete_path(path: str) -> Any:
+    def change(document: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        target: Any = document
+        for key in parents:
+            target = target[int(key)] if key.isdigit() else target[key]
+        del target[last]
+
+    return change
+
+
+GOOD = json.dumps(good_document()).encode()
+MALFORMED: dict[str, tuple[bytes, str, str]] = {
+    "empty file": (b"", "invalid_json", "Expecting value"),
+    "truncated": (GOOD[: len(GOOD) // 2], "invalid_json", ""),
+    "not utf-8": (GOOD.replace(b"Qwen3-TTS", b"Qwen3-\xff\xfeTTS"), "not_utf8", ""),
+    "a list, not an object": (b"[1, 2]", "wrong_type", "manifest must be an object"),
+    "NaN literal": (GOOD.replace(b'"written_at": 1764480000.0', b'"written_at": NaN'), "invalid_json", "NaN"),
+    "Infinity literal": (GOOD.replace(b'"max_num_seqs": 256', b'"max_num_seqs": Infinity'), "invalid_json", ""),
+    "duplicate key": (
+        GOOD.replace(b'"max_num_seqs": 256', b'"max_num_seqs": 256, "max_num_seqs": 1'),
+        "invalid_json",
+        "duplicate",
+    ),
+    "future schema version": (mutate(set_path("schema_version", 2)), "unsupported_schema_version", "got 2"),
+    "schema version as string": (mutate(set_path("schema_version", "1")), "wrong_type", "schema_version"),
+    "missing engine": (mutate(delete_path("engine")), "missing_field", "engine"),
+    "missing declaration field": (mutate(delete_path("declarations.0.rows")), "missing_field", "rows"),
+    "unknown field": (mutate(set_path("engine.colour", "blue")), "unknown_field", "colour"),
+    "max_num_seqs as string": (mutate(set_path("max_num_seqs", "256")), "wrong_type", "max_num_seqs"),
+    "max_num_seqs as float": (mutate(set_path("max_num_seqs", 256.5)), "wrong_type", "max_num_seqs"),
+    "max_num_seqs as bool": (mutate(set_path("max_num_seqs", True)), "wrong_type", "max_num_seqs"),
+    "max_num_seqs zero": (mutate(set_path("max_num_seqs", 0)), "out_of_range", "max_num_seqs"),
+    "negative layers": (mutate(set_path("declarations.0.layers", -8)), "out_of_range", "layers"),
+    "huge positions": (mutate(set_path("declarations.0.physical_capacity_positions", 10**30)), "out_of_range", ""),
+    "negative written_at": (mutate(set_path("written_at", -1)), "out_of_range", "written_at"),
+    "unknown scope": (mutate(set_path("declarations.0.scope", "forever")), "unknown_enum", "forever"),
+    "unknown driver": (mutate(set_path("declarations.0.rows", "max_num_sessions")), "unknown_enum", "rows"),
+    "unknown phase": (mutate(set_path("phase", "profiling")), "unknown_enum", "phase"),
+    "unknown collector": (mutate(set_path("collector", "guess")), "unknown_enum", "collector"),
+    "unknown dtype": (mutate(set_path("declarations.0.dtype", "complex64")), "invalid_value", "complex64"),
+    "non-canonical dtype": (mutate(set_path("declarations.0.dtype", "torch.float32")), "invalid_value", "canonical"),
+    "bytes_per_row disagrees": (mutate(set_path("declarations.0.bytes_per_row", 1)), "inconsistent", "geometry"),
+    "itemsize disagrees": (mutate(set_path("declarations.0.itemsize", 2)), "inconsistent", "itemsize"),
+    "fixed without reason": (
+        mutate(lambda d: d["declarations"][2].update(rows_reason=" ")),
+        "invalid_value",
+        "rows_reason",
+    ),
+    "blank model name": (mutate(set_path("engine.model_name", "")), "invalid_value", "model_name"),
+    "declarations not a list": (mutate(set_path("declarations", {})), "wrong_type", "declarations"),
+    "declaration not an object": (mutate(set_path("declarations.0", "x")), "wrong_type", "declarations[0]"),
+    "pid zero": (mutate(set_path("process.pid", 0)), "out_of_range", "pid"),
+    "uuid blank": (mutate(set_path("device.uuid", "")), "invalid_value", "uuid"),
+    "duplicate declaration": (
+        mutate(lambda d: d["declarations"].append(dict(d["declarations"][0]))),
+        "duplicate_declaration",
+        "twice",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_manifest_is_rejected_with_a_specific_reason(case: str) -> None:
+    data, reason, detail = MALFORMED[case]
+    with pytest.raises(ManifestError) as caught:
+        parse_manifest(data, "bad.json")
+    assert caught.value.reason == reason, caught.value
+    assert detail in caught.value.detail
+    assert caught.value.path == "bad.json"
+    assert str(caught.value).startswith("bad.json: ")
+
+
+# Faults JSON Schema can express (the rest are cross-field or lexical rules only the reader checks).
+SCHEMA_LEVEL = sorted(
+    name
+    for name, (_, reason, detail) in MALFORMED.items()
+    if reason not in {"invalid_json", "not_utf8", "inconsistent", "duplicate_declaration"} and detail != "canonical"
+)
+
+
+@pytest.mark.parametrize("case", SCHEMA_LEVEL)
+def test_json_schema_agrees_on_schema_level_faults(case: str) -> None:
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(MALFORMED[case][0]), SCHEMA)
+
+
+def test_limits_are_enforced() -> None:
+    with pytest.raises(ManifestError) as too_large:
+        parse_manifest(GOOD, "m.json", ManifestLimits(max_bytes=100))
+    assert too_large.value.reason == "too_large"
+    with pytest.raises(ManifestError) as too_many:
+        parse_manifest(GOOD, "m.json", ManifestLimits(max_declarations=2))
+    assert too_many.value.reason == "too_many_declarations"
+
+
+def test_unreadable_file_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError) as caught:
+        read_manifest(tmp_path / "absent.json")
+    assert caught.value.reason == "unreadable"
+    assert str(tmp_path / "absent.json") in str(caught.value)
+
+
+def test_declaration_from_a_foreign_spec_object() -> None:
+    """Duck typing: any object with vllm-omni's field names and enum values is accepted."""
+
+    class Value:
+        def __init__(self, value: str) -> None:
+            self.value = value
+
+    class ForeignSpec:
+        name = "codec"
+        layers, kv_heads, head_dim = 8, 16, 64
+        dtype = "torch.float32"
+        physical_capacity_positions = 71
+        capacity_source = "window"
+        scope = Value("request")
+        rows = Value("max_num_seqs")
+        rows_fixed = 1
+        rows_reason = ""
+        allocation_note = None
+
+    declaration = Declaration.from_spec("talker", ForeignSpec())
+    assert declaration.bytes_per_row == 4_653_056
+    assert (declaration.scope, declaration.rows, declaration.dtype) == ("request", "max_num_seqs", "float32")
+    assert declaration.rows_at(17) == 17
+    assert declaration.rows_at(0) == 0
+    assert declaration.row_count(0) == 1
