@@ -1,0 +1,143 @@
+"""Measure what a live HuggingFace ``transformers`` cache really holds.
+
+A declaration (``ModelLocalKVSpec``) says how many bytes a cache *should* hold. This module reads the
+cache object itself, so tests and debugging sessions can check the declaration against the tensors.
+
+Two figures, because they differ for sliding-window layers:
+
+- ``shown_bytes``: ``numel() * element_size()`` of every K and V tensor the cache exposes. This is what a
+  declaration with the positions the cache really holds must equal.
+- ``allocated_bytes``: the storage behind those tensors, each storage counted once. A dynamic
+  sliding-window layer keeps a *view* of its last ``window - 1`` positions, but the storage behind the view
+  holds a whole window after a decode step (and every prompt position right after a prefill), so
+  ``allocated_bytes`` is larger than ``shown_bytes`` there.
+
+Both are storage sizes as torch reports them, not allocator blocks: a CUDA caching allocator rounds each
+block up further, which no cache object can show.
+
+torch is imported lazily: importing ``kv_exporter`` must never import torch (the sidecar has none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CacheBytes", "LayerBytes", "measure_cache_bytes"]
+
+# EncoderDecoderCache has no `.layers`; it holds two ordinary caches under these names.
+_SUB_CACHES = ("self_attention_cache", "cross_attention_cache")
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """One cache layer's K and V."""
+
+    path: str
+    """Where the layer sits, e.g. ``layers[0]`` or ``cross_attention_cache.layers[2]``."""
+    kind: str
+    """The layer's class name, e.g. ``DynamicSlidingWindowLayer`` or ``StaticLayer``."""
+    positions: int
+    """Positions the key tensor shows (its second-to-last dimension); 0 when not allocated."""
+    shown_bytes: int
+    allocated_bytes: int
+    """Storage first seen at this layer; storage shared with an earlier layer is not counted again."""
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the layer holds any K/V bytes (a static layer allocates at its first update)."""
+        return self.positions > 0 or self.allocated_bytes > 0
+
+
+@dataclass(frozen=True)
+class CacheBytes:
+    """What a cache object holds, summed over all its layers."""
+
+    shown_bytes: int
+    allocated_bytes: int
+    layers: int
+    """Layer objects walked (for an EncoderDecoderCache: self-attention plus cross-attention layers)."""
+    allocated_layers: int
+    per_layer: tuple[LayerBytes, ...] = ()
+
+    @property
+    def unshown_bytes(self) -> int:
+        """Storage the tensors do not show: the sliding-window gap, 0 for full and static layers."""
+        return self.allocated_bytes - self.shown_bytes
+
+
+def measure_cache_bytes(cache: object) -> CacheBytes:
+    """Bytes a ``transformers`` cache shows and allocates, storage deduplicated across the whole cache.
+
+    Accepts any cache with ``.layers`` (DynamicCache, StaticCache, ...) and EncoderDecoderCache. A layer
+    whose ``keys`` is still ``None`` (a StaticCache layer before its first update, a KV-sharing dummy layer)
+    counts 0. Raises ``TypeError`` for an object that is not a transformers cache.
+    """
+    import torch  # lazily: kv_exporter must stay importable without torch
+
+    seen_storages: set[tuple[str, int]] = set()
+    per_layer = tuple(_measure_layer(path, layer, torch.Tensor, seen_storages) for path, layer in _walk(cache, ""))
+    return CacheBytes(
+        shown_bytes=sum(layer.shown_bytes for layer in per_layer),
+        allocated_bytes=sum(layer.allocated_bytes for layer in per_layer),
+        layers=len(per_layer),
+        allocated_layers=sum(1 for layer in per_layer if layer.allocated),
+        per_layer=per_layer,
+    )
+
+
+def _walk(cache: object, prefix: str) -> Iterator[tuple[str, object]]:
+    """Yield ``(path, layer)`` for every layer object, descending into encoder-decoder caches."""
+    layers = getattr(cache, "layers", None)
+    if isinstance(layers, (list, tuple)):
+        for index, layer in enumerate(layers):
+            yield f"{prefix}layers[{index}]", layer
+        return
+    sub_caches = [(name, getattr(cache, name, None)) for name in _SUB_CACHES]
+    if all(sub is None for _, sub in sub_caches):
+        raise TypeError(
+            f"{type(cache).__name__} is not a transformers cache: it has neither .layers nor {' / '.join(_SUB_CACHES)}"
+        )
+    for name, sub in sub_caches:
+        if sub is not None:
+            yield from _walk(sub, f"{prefix}{name}.")
+
+
+def _measure_layer(path: str, layer: object, tensor_type: type[Any], seen: set[tuple[str, int]]) -> LayerBytes:
+    keys = getattr(layer, "keys", None)
+    values = getattr(layer, "values", None)
+    shown = 0
+    allocated = 0
+    for tensor in (keys, values):
+        if tensor is None:
+            continue
+        if not isinstance(tensor, tensor_type):
+            raise TypeError(f"{path}: expected a torch.Tensor or None, got {type(tensor).__name__}")
+        shown += tensor.numel() * tensor.element_size()
+        allocated += _new_storage_bytes(tensor, seen)
+    positions = int(keys.shape[-2]) if keys is not None and keys.dim() >= 2 else 0
+    return LayerBytes(
+        path=path,
+        kind=type(layer).__name__,
+        positions=positions,
+        shown_bytes=shown,
+        allocated_bytes=allocated,
+    )
+
+
+def _new_storage_bytes(tensor: Any, seen: set[tuple[str, int]]) -> int:
+    """Bytes of the tensor's storage unless an earlier tensor already counted it.
+
+    Keyed by device and data pointer: views (a sliding window's slice) and layers sharing KV point at the
+    same storage. Empty storages all report pointer 0 and hold nothing, so they are skipped rather than keyed.
+    """
+    storage = tensor.untyped_storage()
+    nbytes = int(storage.nbytes())
+    if nbytes == 0:
+        return 0
+    key = (str(tensor.device), int(storage.data_ptr()))
+    if key in seen:
+        return 0
+    seen.add(key)
+    return nbytes
