@@ -1,0 +1,9 @@
+"""`python -m kv_exporter serve | report | demo`."""
+
+from __future__ import annotations
+
+import sys
+
+from kv_exporter.cli import main
+
+sys.exit(main())

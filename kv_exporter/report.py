@@ -1,0 +1,172 @@
+"""`kv-exporter report`: the declarations in a manifest folder as a terminal table or JSON; no server.
+
+For capacity planning: each manifest's declarations at its own max_num_seqs, or at `--max-num-seqs N`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kv_exporter.collector import ManifestEntry, ManifestStore, assess
+from kv_exporter.manifest import Declaration, Manifest, ManifestError, current_pid_namespace
+
+_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_bytes(value: int) -> str:
+    """IEC units, two decimals (4,653,056 -> "4.44 MiB"); exact below 1 KiB; keeps the sign."""
+    if abs(value) < 1024:
+        return f"{value} B"
+    scaled = float(value)
+    for unit in _UNITS:
+        scaled /= 1024
+        if abs(scaled) < 1024 or unit == _UNITS[-1]:
+            return f"{scaled:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class ReportRow:
+    owner: str
+    cache: str
+    scope: str
+    driver: str
+    rows: int
+    per_row: int
+
+    @property
+    def total(self) -> int:
+        return self.rows * self.per_row
+
+
+def manifest_rows(manifest: Manifest, max_num_seqs: int | None) -> list[ReportRow]:
+    seqs = manifest.max_num_seqs if max_num_seqs is None else max_num_seqs
+    return [_row(d, seqs) for d in manifest.declarations]
+
+
+def _row(d: Declaration, seqs: int) -> ReportRow:
+    return ReportRow(d.owner, d.name, d.scope, d.rows, d.row_count(seqs), d.bytes_per_row)
+
+
+def _title(entry: ManifestEntry, manifest: Manifest, seqs: int) -> str:
+    e = manifest.engine
+    gpu = "?" if manifest.device.index is None else str(manifest.device.index)
+    uuid = f" {manifest.device.uuid}" if manifest.device.uuid else ""
+    return (
+        f"{e.model_name}  stage {e.stage} engine {e.engine_index} (dp{e.data_parallel_rank} tp{e.tp_rank} "
+        f"pp{e.pp_rank})  GPU {gpu}{uuid}  max_num_seqs {seqs}  [{entry.verdict.state.value}]"
+    )
+
+
+_HEADERS = ("owner", "cache", "scope", "driver", "rows", "per row", "total")
+
+
+def _table(rows: Sequence[ReportRow]) -> list[str]:
+    cells = [
+        (
+            r.owner or "(root)",
+            r.cache,
+            r.scope,
+            r.driver,
+            str(r.rows),
+            human_bytes(r.per_row),
+            human_bytes(r.total),
+        )
+        for r in rows
+    ]
+    cells.append(("", "", "", "", "", "total", human_bytes(sum(r.total for r in rows))))
+    widths = [max(len(row[i]) for row in [_HEADERS, *cells]) for i in range(len(_HEADERS))]
+    numeric = {4, 5, 6}
+
+    def line(row: Sequence[str]) -> str:
+        parts = [
+            cell.rjust(w) if i in numeric else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "  ".join(parts).rstrip()
+
+    return [line(_HEADERS), line(["-" * w for w in widths]), *(line(row) for row in cells)]
+
+
+def render_text(entries: Sequence[ManifestEntry], max_num_seqs: int | None, folder: str) -> str:
+    out: list[str] = []
+    grand = 0
+    valid = [e for e in entries if e.manifest is not None]
+    for entry in valid:
+        assert entry.manifest is not None
+        seqs = entry.manifest.max_num_seqs if max_num_seqs is None else max_num_seqs
+        rows = manifest_rows(entry.manifest, max_num_seqs)
+        grand += sum(r.total for r in rows)
+        out += [_title(entry, entry.manifest, seqs), *_table(rows), ""]
+    invalid = [e for e in entries if e.manifest is None]
+    for entry in invalid:
+        out.append(f"invalid: {entry.error}")
+    if not entries:
+        out.append(f"no manifests in {folder}")
+    total_line = f"all {len(valid)} manifest(s): {human_bytes(grand)} ({grand} B)"
+    return "\n".join([*out, total_line]) + "\n"
+
+
+def render_json(entries: Sequence[ManifestEntry], max_num_seqs: int | None, folder: str) -> str:
+    manifests: list[dict[str, Any]] = []
+    for entry in entries:
+        if entry.manifest is None:
+            continue
+        m = entry.manifest
+        rows = manifest_rows(m, max_num_seqs)
+        manifests.append(
+            {
+                "path": entry.path,
+                "state": entry.verdict.state.value,
+                "engine": {
+                    "model_name": m.engine.model_name,
+                    "stage": m.engine.stage,
+                    "engine_index": m.engine.engine_index,
+                    "data_parallel_rank": m.engine.data_parallel_rank,
+                    "tp_rank": m.engine.tp_rank,
+                    "pp_rank": m.engine.pp_rank,
+                },
+                "gpu": {"index": m.device.index, "uuid": m.device.uuid},
+                "max_num_seqs": m.max_num_seqs if max_num_seqs is None else max_num_seqs,
+                "declarations": [
+                    {
+                        "owner": r.owner,
+                        "cache": r.cache,
+                        "scope": r.scope,
+                        "driver": r.driver,
+                        "rows": r.rows,
+                        "bytes_per_row": r.per_row,
+                        "total_bytes": r.total,
+                    }
+                    for r in rows
+                ],
+                "total_bytes": sum(r.total for r in rows),
+            }
+        )
+    invalid = [_invalid(e.path, e.error) for e in entries if e.error is not None]
+    document = {
+        "manifest_dir": folder,
+        "max_num_seqs": max_num_seqs,
+        "manifests": manifests,
+        "invalid": invalid,
+        "total_bytes": sum(m["total_bytes"] for m in manifests),
+    }
+    return json.dumps(document, indent=2) + "\n"
+
+
+def _invalid(path: str, error: ManifestError) -> dict[str, str]:
+    return {"path": path, "reason": error.reason, "detail": error.detail}
+
+
+def run_report(folder: str, max_num_seqs: int | None, as_json: bool) -> tuple[str, int]:
+    """The report and the exit status: 0; 1 when a manifest is invalid; 2 when the folder is unreadable."""
+    store = ManifestStore(folder)
+    entries = assess(store.load(), current_pid_namespace())
+    if store.folder_error is not None:
+        return f"cannot read manifest folder {folder}: {store.folder_error}\n", 2
+    render = render_json if as_json else render_text
+    text = render(entries, max_num_seqs, folder)
+    return text, 1 if any(e.manifest is None for e in entries) else 0

@@ -1,0 +1,119 @@
+"""Golden expositions: fixed manifests + the recorded real engine pages -> the exact /metrics text.
+
+Produced by the real code path (manifest files written by the real writer, the real page served over HTTP, the
+exporter scraped over HTTP). Only two things vary between runs and are normalised: the engine page's port and
+the scrape duration. To regenerate after a reviewed change: KV_EXPORTER_UPDATE_GOLDEN=1 pytest tests/golden
+(then read the diff: it is the public metrics API).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kv_exporter.collector import Collection, Settings
+from kv_exporter.engine_page import EngineTarget
+from kv_exporter.manifest import write_manifest
+from kv_exporter.nvml import HOST_PID_NAMESPACE, SimulatedGpu
+from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
+from kv_exporter.server import ExporterApp, build_server, serve_in_thread
+from tests.unit.fake_engine import OMNI_MODEL, OMNI_PAGE, VLLM_MODEL, VLLM_PAGE, closed_port_url, fake_engine
+from tests.unit.manifests import reference_manifest
+
+GOLDEN = Path(__file__).resolve().parent
+GIB = 1 << 30
+UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
+SIDECAR_NS = "pid:[4026532000]"  # not the manifests' namespace: liveness by the newest-incarnation rule
+
+
+def write_inputs(folder: Path, served_model: str) -> None:
+    """The fixed manifests: the page's model (Qwen3-TTS geometry), an engine no page shows, a restarted
+    engine's stale leftover, a manifest on a GPU the reader does not have, and a broken file."""
+    write_manifest(folder, reference_manifest(ReferenceModel(served_model, QWEN3_TTS.declarations), pid=4242))
+    write_manifest(folder, reference_manifest(MIMO_AUDIO, max_num_seqs=64, pid=4300))
+    current = reference_manifest(MINICPM_O, max_num_seqs=8, pid=4400, gpu=1)
+    write_manifest(folder, current)
+    # The same MiniCPM-o engine before its container restarted (another pid namespace, written earlier),
+    # rank 1: the restarted engine has a single rank, so only a hard kill could have left this file behind.
+    old = replace(
+        current,
+        engine=replace(current.engine, tp_rank=1),
+        process=replace(current.process, pid=77, pid_namespace="pid:[4026531999]"),
+        written_at=current.written_at - 3600,
+    )
+    write_manifest(folder, old)
+    (folder / "half-written.json").write_text('{"schema_version": 1, "engine": {')
+
+
+def scrape(folder: Path, page: bytes) -> str:
+    gpu = SimulatedGpu(
+        total=80 * GIB,
+        used=60 * GIB,
+        uuid=UUID0,
+        processes={4242: 21 * GIB, 4300: 9 * GIB, 999: GIB},
+        pid_namespace=HOST_PID_NAMESPACE,
+    )
+    down = closed_port_url()
+    with fake_engine(page) as engine:
+        targets = (EngineTarget.parse(engine.url), EngineTarget.parse(down))
+        collection = Collection(Settings(str(folder), targets), gpu, our_namespace=SIDECAR_NS)
+        server = build_server("127.0.0.1:0", ExporterApp(collection))
+        thread = serve_in_thread(server)
+        try:
+            url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+            text = urllib.request.urlopen(url, timeout=20).read().decode()
+        finally:
+            server.shutdown()
+            server.server_close()
+            collection.close()
+            thread.join(5)
+    text = text.replace(engine.url, "http://127.0.0.1:ENGINE/metrics")
+    text = text.replace(down, "http://127.0.0.1:DOWN/metrics")
+    return re.sub(r"(?m)^(model_local_kv_scrape_duration_seconds) \S+$", r"\1 DURATION", text)
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("KV_EXPORTER_UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert path.exists(), f"{path} missing: run with KV_EXPORTER_UPDATE_GOLDEN=1 and review it"
+    assert text == path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("golden", "page", "model"),
+    [("vllm-0.32.prom", VLLM_PAGE, VLLM_MODEL), ("vllm-omni-0.30.prom", OMNI_PAGE, OMNI_MODEL)],
+)
+def test_golden_exposition(tmp_path: Path, golden: str, page: Path, model: str) -> None:
+    write_inputs(tmp_path, model)
+    check_golden(golden, scrape(tmp_path, page.read_bytes()))
+
+
+def test_golden_figures_by_hand() -> None:
+    """The reviewed numbers in the vLLM golden, recomputed here from first principles."""
+    text = (GOLDEN / "vllm-0.32.prom").read_text()
+    row = 4_653_056
+    # kvx-tiny runs 0 on the recorded page: two max_num_seqs-driven Qwen3-TTS entries, 256 rows still to
+    # come; MiMo-Audio's engine is on no page: 64 rows still to come, at 720,896 B; fixed rows add nothing.
+    projected = 60 * GIB + 2 * 256 * row + 64 * 720_896
+    assert f'model_local_kv_gpu_projected_peak_bytes{{UUID="{UUID0}",gpu="0",source="simulated"}} ' in text
+    value = re.search(r"model_local_kv_gpu_projected_peak_bytes\{[^}]*\} (\S+)", text)
+    assert value and float(value.group(1)) == projected
+    headroom = re.search(r"model_local_kv_gpu_headroom_bytes\{[^}]*\} (\S+)", text)
+    assert headroom and float(headroom.group(1)) == 80 * GIB - projected
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool (apt-get install prometheus)")
+@pytest.mark.parametrize("golden", ["vllm-0.32.prom", "vllm-omni-0.30.prom"])
+def test_promtool_accepts_the_exposition(golden: str) -> None:
+    text = (GOLDEN / golden).read_text().replace("DURATION", "0.01")
+    command = ["promtool", "check", "metrics"]
+    result = subprocess.run(command, input=text, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

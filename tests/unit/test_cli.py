@@ -1,0 +1,209 @@
+"""`kv-exporter serve | report | demo` as operators run them: real processes, stopped by pid."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kv_exporter.cli import main, parse_simulated_gpu, parse_size
+from kv_exporter.manifest import write_manifest
+from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS, REFERENCE_MODELS
+from kv_exporter.report import human_bytes
+from tests.unit.manifests import reference_manifest
+
+REPO = Path(__file__).resolve().parent.parent.parent
+CONTRACTS = REPO / "docs" / "CONTRACTS.md"
+GIB = 1 << 30
+
+
+@contextmanager
+def running(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """Start `python -m kv_exporter ARGS` and yield it with the base URL it announces; stop it by pid."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kv_exporter", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        url = None
+        deadline = time.monotonic() + 20
+        seen = []
+        while url is None and time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            match = re.search(r"(http://127\.0\.0\.1:\d+)/metrics", line)
+            url = match.group(1) if match else None
+        assert url, "".join(seen)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(5)
+
+
+def metric_names(text: str) -> set[str]:
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name + ("_total" if family.type == "counter" else ""))
+    return names
+
+
+def contract_names() -> set[str]:
+    return set(re.findall(r"`(model_local_kv_[a-z_]+)", CONTRACTS.read_text()))
+
+
+def test_parse_size() -> None:
+    assert parse_size("80GiB") == 80 * GIB
+    assert parse_size("512 MiB") == 512 << 20
+    assert parse_size("1073741824") == GIB
+    assert parse_size("1.5GiB") == 3 * GIB // 2
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size("80GB")  # decimal units are ambiguous for GPU memory: refused
+    assert parse_simulated_gpu("80GiB:60GiB") == (80 * GIB, 60 * GIB)
+    for bad in ("80GiB", "1GiB:2GiB", "0:0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_simulated_gpu(bad)
+
+
+def test_human_bytes() -> None:
+    assert human_bytes(4_653_056) == "4.44 MiB"
+    assert human_bytes(720_896) == "704.00 KiB"
+    assert human_bytes(147_456_000) == "140.62 MiB"
+    assert human_bytes(25_165_824) == "24.00 MiB"
+    assert human_bytes(261 * 720_896) == "179.44 MiB"
+    assert human_bytes(1023) == "1023 B"
+    assert human_bytes(-2 * GIB) == "-2.00 GiB"
+
+
+def test_report_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_manifest(tmp_path, reference_manifest(QWEN3_TTS, max_num_seqs=256))
+    assert main(["report", "--manifest-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "codec_decoder_request_cache" in out and "max_num_seqs 256" in out
+    total = (256 + 256 + 31) * 4_653_056
+    assert f"{human_bytes(total)} ({total} B)" in out
+    row = next(line for line in out.splitlines() if "codec_decoder_working_copy" in line)
+    assert row.split()[-5:] == ["256", "4.44", "MiB", "1.11", "GiB"]
+
+
+def test_report_json_with_override_and_a_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_manifest(tmp_path, reference_manifest(QWEN3_TTS))
+    write_manifest(tmp_path, reference_manifest(MIMO_AUDIO, stage=1))
+    (tmp_path / "bad.json").write_text("[]")
+    assert main(["report", "--manifest-dir", str(tmp_path), "--max-num-seqs", "17", "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    qwen = next(m for m in doc["manifests"] if m["engine"]["model_name"] == "Qwen3-TTS")
+    by_cache = {d["cache"]: d for d in qwen["declarations"]}
+    assert by_cache["codec_decoder_request_cache"]["rows"] == 17
+    assert by_cache["codec_decoder_request_cache"]["total_bytes"] == 17 * 4_653_056
+    assert by_cache["codec_decoder_graph_pool"]["rows"] == 31
+    mimo = next(m for m in doc["manifests"] if m["engine"]["model_name"] == "MiMo-Audio")
+    assert mimo["total_bytes"] == (17 + 261) * 720_896
+    assert doc["total_bytes"] == qwen["total_bytes"] + mimo["total_bytes"]
+    assert doc["invalid"] == [
+        {"path": str(tmp_path / "bad.json"), "reason": "wrong_type", "detail": doc["invalid"][0]["detail"]}
+    ]
+
+
+def test_report_unreadable_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", "--manifest-dir", str(tmp_path / "nope")]) == 2
+    assert "cannot read manifest folder" in capsys.readouterr().err
+
+
+def test_serve_starts_fast_and_small(tmp_path: Path) -> None:
+    write_manifest(tmp_path, reference_manifest(QWEN3_TTS))
+    started = time.monotonic()
+    with running(
+        "serve",
+        "--manifest-dir",
+        str(tmp_path),
+        "--listen-address",
+        "127.0.0.1:0",
+        "--simulate-gpu",
+        "80GiB:60GiB",
+    ) as (process, url):
+        body = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        first_scrape = time.monotonic() - started
+        status = Path(f"/proc/{process.pid}/status").read_text().splitlines()
+        rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS"))
+        modules = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import kv_exporter.cli, kv_exporter.server, sys; print(sorted(sys.modules))",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    assert process.returncode == 0  # SIGTERM is a clean stop
+    assert 'source="simulated"' in body
+    assert first_scrape < 1.5, first_scrape  # ~0.15 s measured; generous for a busy shared machine
+    assert rss_kib < 40 * 1024, rss_kib
+    assert "'torch'" not in modules and "'vllm'" not in modules
+
+
+def test_serve_refuses_a_taken_port(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "kv_exporter", "serve", "--manifest-dir", str(tmp_path), "--no-nvml",
+             "--listen-address", f"127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=20,
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert "cannot serve" in result.stderr
+
+
+def test_demo_shows_every_contract_metric() -> None:
+    with running("demo", "--listen-address", "127.0.0.1:0") as (process, url):
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        landing = urllib.request.urlopen(url + "/", timeout=10).read().decode()
+        match = re.search(r"Folder <code>([^<]+)</code>", landing)
+        assert match
+        folder = Path(match.group(1))
+        assert folder.is_dir()
+    missing = contract_names() - metric_names(text)
+    assert not missing, missing
+    assert process.returncode == 0
+    for model in REFERENCE_MODELS:
+        assert f'model_name="{model.model_name}"' in text
+    # Every GPU series of the demo is labelled as simulated.
+    gpu_lines = [line for line in text.splitlines() if line.startswith("model_local_kv_gpu_")]
+    assert gpu_lines and all('source="simulated"' in line for line in gpu_lines)
+    assert 'model_local_kv_manifests{state="invalid"} 1.0' in text
+    assert not folder.exists()  # the demo cleans up after itself
+
+
+def test_demo_running_count_moves() -> None:
+    from kv_exporter.demo import demo_engines
+
+    qwen = demo_engines()[0]
+    counts = {qwen.running(t) for t in range(0, 60, 5)}
+    assert len(counts) > 5 and max(counts) <= qwen.max_num_seqs and min(counts) >= 0

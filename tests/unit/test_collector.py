@@ -1,0 +1,298 @@
+"""kv_exporter.collector: the arithmetic, the fallbacks and the manifest cache, from real manifests."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kv_exporter.collector import (
+    Collection,
+    DeclarationView,
+    GpuResult,
+    ManifestEntry,
+    ManifestStore,
+    PageResult,
+    Settings,
+    SingleFlight,
+    Snapshot,
+    assess,
+    build_snapshot,
+    families,
+    safe_max_num_seqs,
+)
+from kv_exporter.engine_page import EngineTarget, scan_page
+from kv_exporter.liveness import State
+from kv_exporter.manifest import Manifest, write_manifest
+from kv_exporter.nvml import GpuMemory, SimulatedGpu
+from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
+from tests.unit.fake_engine import fake_engine, vllm_page_with
+from tests.unit.manifests import reference_manifest
+
+GIB = 1 << 30
+QWEN_ROW = 4_653_056
+OTHER_NS = "pid:[1]"  # a namespace no manifest here is in: liveness falls back to "newest incarnation"
+UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
+
+
+def gpu0(used: int = 60 * GIB, total: int = 80 * GIB) -> GpuMemory:
+    return GpuMemory(0, UUID0, "test GPU", total, used, total - used)
+
+
+def entries_for(*manifests: Manifest) -> list[ManifestEntry]:
+    return assess([(f"/m/{i}.json", m) for i, m in enumerate(manifests)], OTHER_NS)
+
+
+def page(model: str, running: int, target: str = "http://e/metrics") -> PageResult:
+    return PageResult(target, scan_page(vllm_page_with(running, model)), None, 0.0)
+
+
+def snapshot(manifests: list[Manifest], pages: list[PageResult], device: GpuMemory | None = None) -> Snapshot:
+    devices = (device or gpu0(),)
+    return build_snapshot(entries_for(*manifests), pages, GpuResult(True, "simulated", devices))
+
+
+def by_cache(snap: Snapshot, name: str) -> DeclarationView:
+    (view,) = [v for v in snap.declarations if v.declaration.name == name]
+    return view
+
+
+def test_qwen3_tts_at_256_with_17_running() -> None:
+    used = 60 * GIB
+    snap = snapshot([reference_manifest(QWEN3_TTS, max_num_seqs=256)], [page("Qwen3-TTS", 17)], gpu0(used))
+    entry = by_cache(snap, "codec_decoder_request_cache")
+    assert entry.ceiling_bytes == 256 * 4_653_056
+    assert entry.estimate_rows == 17
+    assert entry.estimate_bytes == 17 * 4_653_056
+    graph_pool = by_cache(snap, "codec_decoder_graph_pool")
+    assert graph_pool.ceiling_bytes == graph_pool.estimate_bytes == 31 * QWEN_ROW
+    (gpu,) = snap.gpus
+    # Two max_num_seqs-driven entries (request cache, working copy), each 256 - 17 rows still to come.
+    assert gpu.projected_peak == used + 2 * (256 - 17) * QWEN_ROW
+    assert gpu.projected_peak == used + sum(v.ceiling_bytes - v.estimate_bytes for v in snap.declarations)
+    assert gpu.headroom == 80 * GIB - gpu.projected_peak
+
+
+def test_running_above_max_num_seqs_is_capped() -> None:
+    snap = snapshot([reference_manifest(QWEN3_TTS, max_num_seqs=8)], [page("Qwen3-TTS", 30)])
+    assert by_cache(snap, "codec_decoder_request_cache").estimate_rows == 8
+    assert snap.gpus[0].projected_peak == snap.gpus[0].memory.used
+
+
+def test_engine_unreadable_falls_back_to_zero_rows() -> None:
+    down = PageResult("http://e/metrics", None, None, 0.0)
+    snap = snapshot([reference_manifest(QWEN3_TTS, max_num_seqs=256)], [down])
+    entry = by_cache(snap, "codec_decoder_request_cache")
+    assert (entry.estimate_rows, entry.running) == (0, None)
+    assert by_cache(snap, "codec_decoder_graph_pool").estimate_rows == 31  # fixed rows do not depend on it
+    (engine,) = snap.engines
+    assert (engine.up, engine.running, engine.max_num_seqs, engine.manifests) == (False, None, 256, 1)
+    assert snap.gpus[0].projected_peak == snap.gpus[0].memory.used + 2 * 256 * QWEN_ROW
+
+
+def test_engine_on_a_page_without_manifests() -> None:
+    snap = snapshot([], [page("unknown-model", 3)])
+    (engine,) = snap.engines
+    assert (engine.key.model_name, engine.up, engine.running) == ("unknown-model", True, 3)
+    assert engine.manifests == 0
+    assert engine.max_num_seqs is None
+
+
+def test_manifest_on_another_gpu_is_not_in_this_gpus_projection() -> None:
+    other = reference_manifest(QWEN3_TTS, gpu=1)
+    snap = snapshot([other], [page("Qwen3-TTS", 0)])
+    assert snap.gpus[0].projected_peak == snap.gpus[0].memory.used
+    assert snap.gpus[0].safe_max_num_seqs is None
+    assert len(snap.declarations) == 3  # still exported per declaration
+
+
+def test_stale_manifest_is_excluded() -> None:
+    # The same engine before and after its container restarted (a new pid namespace), plus another engine.
+    before = reference_manifest(QWEN3_TTS, pid=100)
+    before = replace(before, process=replace(before.process, pid_namespace="pid:[111]"), written_at=1000.0)
+    after = replace(before, process=replace(before.process, pid_namespace="pid:[222]"), written_at=2000.0)
+    other = reference_manifest(MIMO_AUDIO, pid=200)
+    snap = snapshot([before, after, other], [page("Qwen3-TTS", 0)])
+    states = [e.verdict.state for e in snap.manifests]
+    assert states == [State.STALE, State.LIVE, State.LIVE]
+    assert snap.manifest_counts() == {State.LIVE: 2, State.STALE: 1, State.INVALID: 0}
+    qwen = [v for v in snap.declarations if v.model_name == "Qwen3-TTS"]
+    assert len(qwen) == 3  # the restarted engine's declarations, once
+    (engine,) = [e for e in snap.engines if e.key.model_name == "Qwen3-TTS"]
+    assert engine.manifests == 1
+    assert snap.gpus[0].projected_peak == snap.gpus[0].memory.used + 2 * 256 * QWEN_ROW + 256 * 720_896
+
+
+def test_omni_stage_capped_by_pipeline() -> None:
+    model = ReferenceModel("/tmp/tinyq", MIMO_AUDIO.declarations)
+    data = (Path(__file__).parent.parent / "fixtures" / "vllm-omni-0.30-metrics.txt").read_bytes()
+    result = PageResult("http://omni/metrics", scan_page(data), None, 0.0)
+    snap = snapshot([reference_manifest(model, max_num_seqs=64)], [result])
+    assert by_cache(snap, "local_transformer_cache").estimate_rows == 1  # not the stale per-stage 8
+
+
+def test_first_page_wins_a_duplicate_engine() -> None:
+    snap = snapshot([reference_manifest(QWEN3_TTS)], [page("Qwen3-TTS", 5, "a"), page("Qwen3-TTS", 9, "b")])
+    (engine,) = snap.engines
+    assert (engine.running, engine.target) == (5, "a")
+
+
+def test_duplicate_label_sets_add_up() -> None:
+    # Two tensor-parallel ranks of one engine on the same GPU: their bytes add up under one series.
+    a = reference_manifest(MINICPM_O, pid=1)
+    b = replace(a, engine=replace(a.engine, tp_rank=1))
+    snap = snapshot([a, b], [page("MiniCPM-o", 0)])
+    ceiling = next(f for f in families(snap) if f.name == "model_local_kv_ceiling_bytes")
+    (sample,) = ceiling.samples
+    assert sample.value == 2 * 147_456_000
+
+
+def brute_force_safe(device: GpuMemory, rows: list[tuple[int, int]]) -> int:
+    m = 0
+    while device.used + sum(b * max(0, m + 1 - e) for b, e in rows) <= device.total:
+        m += 1
+    return m
+
+
+@given(
+    used=st.integers(0, 10_000),
+    free=st.integers(0, 10_000),
+    rows=st.lists(st.tuples(st.integers(1, 500), st.integers(0, 40)), min_size=1, max_size=4),
+)
+def test_safe_max_num_seqs_matches_brute_force(used: int, free: int, rows: list[tuple[int, int]]) -> None:
+    device = GpuMemory(0, UUID0, "x", used + free, used, free)
+    views = []
+    for per_row, estimate in rows:
+        view = by_cache(snapshot([reference_manifest(QWEN3_TTS)], []), "codec_decoder_request_cache")
+        decl = replace(view.declaration, bytes_per_row=per_row)
+        views.append(replace(view, declaration=decl, estimate_rows=estimate))
+    assert safe_max_num_seqs(device, views) == brute_force_safe(device, rows)
+
+
+def test_safe_max_num_seqs_for_qwen_example() -> None:
+    used, total = 60 * GIB, 80 * GIB
+    manifest = reference_manifest(QWEN3_TTS, max_num_seqs=256)
+    snap = snapshot([manifest], [page("Qwen3-TTS", 17)], gpu0(used, total))
+    safe = snap.gpus[0].safe_max_num_seqs
+    assert safe is not None
+    fits = used + 2 * QWEN_ROW * (safe - 17)
+    assert fits <= total < fits + 2 * QWEN_ROW
+
+
+# -- the manifest store -------------------------------------------------------------------------------------
+
+
+def test_store_parses_each_version_once_and_counts_errors_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = write_manifest(tmp_path, reference_manifest(QWEN3_TTS))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    (tmp_path / ".tmp-x.part").write_text("ignored")
+    store = ManifestStore(str(tmp_path))
+    for _ in range(3):
+        loaded = dict(store.load())
+    assert isinstance(loaded[str(good)], Manifest)
+    assert store.errors_total == {"invalid_json": 1}
+    assert sum("invalid manifest" in r.message for r in caplog.records) == 1
+    first = loaded[str(good)]
+    assert dict(store.load())[str(good)] is first  # cached, not re-parsed
+    bad.write_text(json.dumps({"schema_version": 99}))
+    store.load()
+    store.load()
+    assert store.errors_total == {"invalid_json": 1, "missing_field": 1}
+    bad.unlink()
+    assert [p for p, _ in store.load()] == [str(good)]
+
+
+def test_store_rereads_a_rewritten_manifest(tmp_path: Path) -> None:
+    write_manifest(tmp_path, reference_manifest(QWEN3_TTS, max_num_seqs=8))
+    store = ManifestStore(str(tmp_path))
+    ((_, first),) = store.load()
+    write_manifest(tmp_path, reference_manifest(QWEN3_TTS, max_num_seqs=16))
+    ((_, second),) = store.load()
+    assert isinstance(first, Manifest) and isinstance(second, Manifest)
+    assert (first.max_num_seqs, second.max_num_seqs) == (8, 16)
+
+
+def test_store_missing_folder(tmp_path: Path) -> None:
+    store = ManifestStore(str(tmp_path / "nope"))
+    assert store.load() == []
+    store.load()
+    assert store.folder_error is not None
+    assert store.errors_total == {"folder_unreadable": 1}
+
+
+# -- single flight ------------------------------------------------------------------------------------------
+
+
+def test_single_flight_shares_one_call() -> None:
+    calls = []
+    gate = threading.Event()
+
+    def slow() -> int:
+        calls.append(1)
+        gate.wait(5)
+        return len(calls)
+
+    flight = SingleFlight(slow)
+    results: list[int] = []
+    threads = [threading.Thread(target=lambda: results.append(flight())) for _ in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    gate.set()
+    for t in threads:
+        t.join(5)
+    assert results == [1] * 8
+    assert flight() == 2  # a later call collects afresh
+
+
+def test_single_flight_propagates_errors_and_recovers() -> None:
+    outcomes: Iterator[Exception | int] = iter([ValueError("boom"), 7])
+
+    def fn() -> int:
+        item = next(outcomes)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    flight = SingleFlight(fn)
+    with pytest.raises(ValueError):
+        flight()
+    assert flight() == 7
+
+
+def test_collection_end_to_end(tmp_path: Path) -> None:
+    write_manifest(tmp_path, reference_manifest(QWEN3_TTS, max_num_seqs=256))
+    gpu = SimulatedGpu(total=80 * GIB, used=60 * GIB, uuid=UUID0)
+    with fake_engine(vllm_page_with(17, "Qwen3-TTS")) as engine:
+        settings = Settings(str(tmp_path), (EngineTarget.parse(engine.url),))
+        collection = Collection(settings, gpu, our_namespace=OTHER_NS)
+        try:
+            snap = collection.snapshot()
+        finally:
+            collection.close()
+    assert by_cache(snap, "codec_decoder_request_cache").estimate_rows == 17
+    assert snap.gpus[0].projected_peak == 60 * GIB + 2 * 239 * QWEN_ROW
+    assert snap.duration_s > 0
+    assert os.path.isdir(tmp_path)
+
+
+def test_every_family_is_documented_and_in_the_contract() -> None:
+    docs = (Path(__file__).resolve().parent.parent.parent / "docs").resolve()
+    snap = snapshot([reference_manifest(QWEN3_TTS)], [page("Qwen3-TTS", 1)])
+    names = {f.name + ("_total" if f.type == "counter" else "") for f in families(snap)}
+    assert len(names) == 24
+    for doc in ("metrics.md", "CONTRACTS.md"):
+        text = (docs / doc).read_text()
+        missing = {n for n in names if f"`{n}" not in text}
+        assert not missing, (doc, missing)

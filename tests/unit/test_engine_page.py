@@ -1,0 +1,196 @@
+"""kv_exporter.engine_page: the scanner on real recorded pages and on garbage; fetches from real servers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kv_exporter.engine_page import (
+    EngineKey,
+    EnginePageError,
+    EngineTarget,
+    fetch_page,
+    read_engine,
+    scan_page,
+)
+from tests.unit.fake_engine import (
+    OMNI_MODEL,
+    OMNI_PAGE,
+    VLLM_MODEL,
+    VLLM_PAGE,
+    closed_port_url,
+    fake_engine,
+    vllm_page_with,
+)
+
+GenericKey = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def generic_running(data: bytes) -> dict[GenericKey, float]:
+    """The same figures through prometheus_client's full parser: the reference the scanner must agree with."""
+    found: dict[GenericKey, float] = {}
+    for family in text_string_to_metric_families(data.decode()):
+        for sample in family.samples:
+            if sample.name in ("vllm:num_requests_running", "vllm_omni:num_requests_running"):
+                found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+def test_real_vllm_page() -> None:
+    data = VLLM_PAGE.read_bytes()
+    page = scan_page(data)
+    assert page.running == {EngineKey(VLLM_MODEL, 0, 0): 0}
+    assert page.pipeline_running == {}
+    assert list(generic_running(data).values()) == [0.0]
+
+
+def test_real_vllm_page_with_running_count() -> None:
+    page = scan_page(vllm_page_with(17, "Qwen3-TTS"))
+    assert page.running_for(EngineKey("Qwen3-TTS", 0, 0)) == 17
+
+
+def test_real_vllm_omni_page_caps_stage_by_pipeline() -> None:
+    data = OMNI_PAGE.read_bytes()
+    page = scan_page(data)
+    # As recorded: the per-stage gauge stayed at 8 while the pipeline gauge said 1.
+    assert page.running == {EngineKey(OMNI_MODEL, 0, 0): 8}
+    assert page.pipeline_running == {OMNI_MODEL: 1}
+    assert page.running_for(EngineKey(OMNI_MODEL, 0, 0)) == 1
+    generic = generic_running(data)
+    labels = (("model_name", OMNI_MODEL), ("replica", "0"), ("stage", "0"))
+    assert generic[("vllm:num_requests_running", labels)] == 8
+    assert generic[("vllm_omni:num_requests_running", (("model_name", OMNI_MODEL),))] == 1
+
+
+def test_pipeline_cap_does_not_raise_a_lower_stage_figure() -> None:
+    page = scan_page(
+        b'vllm:num_requests_running{model_name="m",replica="1",stage="2"} 3\n'
+        b'vllm_omni:num_requests_running{model_name="m"} 9\n'
+    )
+    assert page.running_for(EngineKey("m", 2, 1)) == 3
+    assert page.running_for(EngineKey("m", 0, 0)) is None
+
+
+def test_scanner_is_much_faster_than_the_generic_parser() -> None:
+    data = VLLM_PAGE.read_bytes()
+    started = time.perf_counter()
+    for _ in range(20):
+        scan_page(data)
+    scanner = (time.perf_counter() - started) / 20
+    started = time.perf_counter()
+    list(text_string_to_metric_families(data.decode()))
+    generic = time.perf_counter() - started
+    assert scanner * 10 < generic, (scanner, generic)
+
+
+def test_escaped_labels_and_timestamps() -> None:
+    page = scan_page(b'vllm:num_requests_running{model_name="a \\"b\\" \\\\ c",engine="2"} 4 1712345678000\n')
+    assert page.running == {EngineKey('a "b" \\ c', 0, 2): 4}
+
+
+def test_sibling_names_and_comments_are_ignored() -> None:
+    page = scan_page(
+        b"# HELP vllm:num_requests_running x\n"
+        b'vllm:num_requests_running_total{model_name="x",engine="0"} 99\n'
+        b'vllm:num_requests_running{model_name="x",engine="0"} 2\r\n'
+    )
+    assert page.running == {EngineKey("x", 0, 0): 2}
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"<html><body>502 Bad Gateway</body></html>", "no_running_series"),
+        (b"", "no_running_series"),
+        (bytes(range(256)) * 100, "no_running_series"),
+        (b'vllm:num_requests_running{model_name="x",engine="0" 2\n', "malformed"),
+        (b'vllm:num_requests_running{model_name="x} 2\n', "malformed"),
+        (b'vllm:num_requests_running{model_name="x"} two\n', "malformed"),
+        (b'vllm:num_requests_running{model_name="x"}\n', "malformed"),
+        (b'vllm:num_requests_running{model_name="\xff"} 1\n', "malformed"),
+        (b'vllm:num_requests_running{model_name="x"} NaN\n', "bad_value"),
+        (b'vllm:num_requests_running{model_name="x"} -1\n', "bad_value"),
+        (b'vllm:num_requests_running{model_name="x"} +Inf\n', "bad_value"),
+        (b'vllm:num_requests_running{engine="0"} 1\n', "missing_label"),
+        (b'vllm:num_requests_running{model_name="x",stage="a"} 1\n', "bad_label"),
+        (b'vllm:num_requests_running{model_name="x",model_name="y"} 1\n', "malformed"),
+        (
+            b'vllm:num_requests_running{model_name="x",engine="0"} 1\n'
+            b'vllm:num_requests_running{engine="0",model_name="x"} 2\n',
+            "duplicate_series",
+        ),
+    ],
+)
+def test_garbage_gives_a_typed_error(data: bytes, reason: str) -> None:
+    with pytest.raises(EnginePageError) as info:
+        scan_page(data)
+    assert info.value.reason == reason
+
+
+def test_target_parsing() -> None:
+    t = EngineTarget.parse("http://user:p%40ss@127.0.0.1:8000")
+    assert t.url == t.target == "http://127.0.0.1:8000/metrics"
+    assert t.authorization == "Basic dXNlcjpwQHNz"  # user:p@ss
+    assert EngineTarget.parse("localhost:9/custom?x=1").target == "http://localhost:9/custom?x=1"
+    assert EngineTarget.parse("http://[::1]:8000/metrics").target == "http://[::1]:8000/metrics"
+    with pytest.raises(ValueError):
+        EngineTarget.parse("ftp://host/metrics")
+
+
+def test_fetch_real_page_over_http() -> None:
+    body = VLLM_PAGE.read_bytes()
+    with fake_engine(body) as engine:
+        assert fetch_page(EngineTarget.parse(engine.url)) == body
+        assert read_engine(EngineTarget.parse(engine.url)).running == {EngineKey(VLLM_MODEL, 0, 0): 0}
+        assert engine.behaviour.requests == 2
+
+
+def test_credentials_are_sent_but_never_in_the_target() -> None:
+    with fake_engine(VLLM_PAGE.read_bytes()) as engine:
+        url = engine.url.replace("http://", "http://kv:secret@")
+        target = EngineTarget.parse(url)
+        read_engine(target)
+        assert "secret" not in target.target
+        assert engine.behaviour.authorization == ["Basic a3Y6c2VjcmV0"]
+
+
+def test_http_error_status() -> None:
+    with fake_engine(b"oops", status=503) as engine, pytest.raises(EnginePageError, match="http_status"):
+        fetch_page(EngineTarget.parse(engine.url))
+
+
+def test_engine_down() -> None:
+    with pytest.raises(EnginePageError) as info:
+        fetch_page(EngineTarget.parse(closed_port_url()))
+    assert info.value.reason == "unreachable"
+
+
+def test_slow_engine_times_out() -> None:
+    with fake_engine(VLLM_PAGE.read_bytes(), delay_s=2.0) as engine:
+        started = time.monotonic()
+        with pytest.raises(EnginePageError) as info:
+            fetch_page(EngineTarget.parse(engine.url), timeout_s=0.3)
+        assert info.value.reason == "timeout"
+        assert time.monotonic() - started < 1.0
+
+
+def test_trickling_engine_is_cut_off_at_the_total_deadline() -> None:
+    # Each chunk arrives well within the timeout, but the whole page would take ~6 s.
+    with fake_engine(VLLM_PAGE.read_bytes(), trickle_s=0.12, chunk=1000) as engine:
+        started = time.monotonic()
+        with pytest.raises(EnginePageError) as info:
+            fetch_page(EngineTarget.parse(engine.url), timeout_s=0.5)
+        assert info.value.reason == "timeout"
+        assert time.monotonic() - started < 1.2
+
+
+@pytest.mark.parametrize("send_length", [True, False])
+def test_huge_page_is_refused(send_length: bool) -> None:
+    body = VLLM_PAGE.read_bytes() * 40  # ~2 MB
+    with fake_engine(body, send_length=send_length) as engine:
+        with pytest.raises(EnginePageError) as info:
+            fetch_page(EngineTarget.parse(engine.url), max_bytes=len(body) // 2)
+        assert info.value.reason == "too_large"
+        assert len(fetch_page(EngineTarget.parse(engine.url), max_bytes=len(body))) == len(body)
