@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint unit engine-env omni-env system-deps bench fuzz clean
+.PHONY: demo test lint unit engine-env omni-env fuzz-env system-deps bench fuzz clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,10 @@ engine-env:
 omni-env:
 	bash scripts/ensure-omni-env.sh
 
-test: $(STAMP) system-deps engine-env omni-env lint
+fuzz-env:
+	bash scripts/fuzz.sh --env-only
+
+test: $(STAMP) system-deps engine-env omni-env fuzz-env lint
 	$(PY) -m pytest tests
 
 bench: $(STAMP) engine-env
