@@ -45,7 +45,7 @@ from kv_exporter.manifest import (
     is_manifest_name,
     read_manifest,
 )
-from kv_exporter.nvml import GpuMemory, GpuReader, GpuReadError
+from kv_exporter.nvml import SOURCE_SIMULATED, GpuMemory, GpuReader, GpuReadError
 
 log = logging.getLogger(__name__)
 
@@ -245,9 +245,31 @@ def _comparable_pid(entry: ManifestEntry, reader: GpuReader, device: GpuMemory) 
 
 def on_device(manifest: Manifest, device: GpuMemory) -> bool:
     """A manifest's GPU by UUID when it recorded one, else by NVML index."""
-    if manifest.device.uuid:
-        return manifest.device.uuid == device.uuid
-    return manifest.device.index is not None and manifest.device.index == device.index
+    return _placed_on(manifest.device.uuid or "", manifest.device.index, device)
+
+
+def _placed_on(uuid: str, index: int | None, device: GpuMemory) -> bool:
+    if uuid:
+        return uuid == device.uuid
+    return index is not None and index == device.index
+
+
+def placement(manifest: Manifest, gpu: GpuResult) -> tuple[int | None, str]:
+    """(index, UUID) of the GPU a manifest's declarations sit on.
+
+    As recorded, except that a simulated device stands in for the GPU of an engine that recorded none (a CPU
+    engine in the demo or the end-to-end tests): that is what simulating a device is for. Real NVML readings never
+    adopt anything, and a simulation adopts only when it is the one device, so nothing is guessed.
+    """
+    recorded = manifest.device
+    if recorded.uuid is None and recorded.index is None and gpu.source == SOURCE_SIMULATED and len(gpu.devices) == 1:
+        return gpu.devices[0].index, gpu.devices[0].uuid
+    return recorded.index, recorded.uuid or ""
+
+
+def _uuid_index(manifest: Manifest, gpu: GpuResult) -> tuple[str, int | None]:
+    index, uuid = placement(manifest, gpu)
+    return uuid, index
 
 
 # -- the snapshot --------------------------------------------------------------------------------------------
@@ -352,7 +374,7 @@ def engine_key(manifest: Manifest) -> EngineKey:
 
 
 def declaration_views(
-    entries: Sequence[ManifestEntry], running: dict[EngineKey, tuple[int, str]]
+    entries: Sequence[ManifestEntry], running: dict[EngineKey, tuple[int, str]], gpu: GpuResult
 ) -> list[DeclarationView]:
     views = []
     for entry in entries:
@@ -360,6 +382,7 @@ def declaration_views(
         if m is None or not entry.live:
             continue
         known = running.get(engine_key(m))
+        index, uuid = placement(m, gpu)
         for d in m.declarations:
             # Engine unreadable: MAX_NUM_SEQS rows fall back to 0, so the projected peak stays an upper bound.
             live_rows = d.rows_at(min(known[0], m.max_num_seqs)) if known else d.rows_at(0)
@@ -368,8 +391,8 @@ def declaration_views(
                     model_name=m.engine.model_name,
                     stage=m.engine.stage,
                     engine=m.engine.engine_index,
-                    gpu="" if m.device.index is None else str(m.device.index),
-                    uuid=m.device.uuid or "",
+                    gpu="" if index is None else str(index),
+                    uuid=uuid,
                     declaration=d,
                     max_num_seqs=m.max_num_seqs,
                     running=known[0] if known else None,
@@ -434,11 +457,11 @@ def safe_max_num_seqs(device: GpuMemory, views: Sequence[DeclarationView]) -> in
 def gpu_views(gpu: GpuResult, entries: Sequence[ManifestEntry], views: Views) -> list[GpuView]:
     result = []
     for device in gpu.devices:
-        mine = [v for v in views if _view_on_device(v, device)]
+        mine = [v for v in views if _placed_on(v.uuid, None if v.gpu == "" else int(v.gpu), device)]
         pids = {
             e.manifest.process.pid
             for e in entries
-            if e.manifest is not None and e.live and on_device(e.manifest, device)
+            if e.manifest is not None and e.live and _placed_on(*_uuid_index(e.manifest, gpu), device)
         }
         listed = gpu.processes.get(device.index, {})
         result.append(
@@ -452,12 +475,6 @@ def gpu_views(gpu: GpuResult, entries: Sequence[ManifestEntry], views: Views) ->
             )
         )
     return result
-
-
-def _view_on_device(view: DeclarationView, device: GpuMemory) -> bool:
-    if view.uuid:
-        return view.uuid == device.uuid
-    return view.gpu != "" and int(view.gpu) == device.index
 
 
 def build_snapshot(
@@ -475,7 +492,7 @@ def build_snapshot(
 ) -> Snapshot:
     """Pure: the same inputs give the same snapshot."""
     running = running_counts(pages)
-    views = declaration_views(entries, running)
+    views = declaration_views(entries, running, gpu)
     return Snapshot(
         manifests=tuple(entries),
         declarations=tuple(views),

@@ -60,12 +60,16 @@ class EnginePage:
         """The engine's running count; a per-stage figure is capped by its pipeline's, which cannot be lower.
 
         vllm-omni's per-stage gauge can stay at its last value after load ends; a stale-high running count
-        would understate the projected peak, so the lower of the two bounds wins.
+        would understate the projected peak, so the lower of the two bounds wins. vllm-omni 0.30 labels the
+        pipeline gauge with the model path even under --served-model-name, so a page with exactly one pipeline
+        series (one vllm-omni server serves one pipeline) caps every stage on it.
         """
         value = self.running.get(key)
         if value is None:
             return None
         cap = self.pipeline_running.get(key.model_name)
+        if cap is None and len(self.pipeline_running) == 1:
+            (cap,) = self.pipeline_running.values()
         return value if cap is None else min(value, cap)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -54,7 +55,7 @@ def test_real_vllm_page_with_running_count() -> None:
 def test_real_vllm_omni_page_caps_stage_by_pipeline() -> None:
     data = OMNI_PAGE.read_bytes()
     page = scan_page(data)
-    # As recorded: the per-stage gauge stayed at 8 while the pipeline gauge said 1.
+    # As recorded under load: 8 in flight; the per-stage gauge said 8, the lagging pipeline gauge 1.
     assert page.running == {EngineKey(OMNI_MODEL, 0, 0): 8}
     assert page.pipeline_running == {OMNI_MODEL: 1}
     assert page.running_for(EngineKey(OMNI_MODEL, 0, 0)) == 1
@@ -62,6 +63,33 @@ def test_real_vllm_omni_page_caps_stage_by_pipeline() -> None:
     labels = (("model_name", OMNI_MODEL), ("replica", "0"), ("stage", "0"))
     assert generic[("vllm:num_requests_running", labels)] == 8
     assert generic[("vllm_omni:num_requests_running", (("model_name", OMNI_MODEL),))] == 1
+
+
+OMNI_PAGES = Path(__file__).parents[1] / "omni" / "pages"
+
+
+def test_stale_stage_gauge_after_load_is_capped_to_zero() -> None:
+    page = scan_page((OMNI_PAGES / "vllm-omni-0.30-metrics-after-load.txt").read_bytes())
+    assert page.running == {EngineKey(OMNI_MODEL, 0, 0): 8}  # stale-high, nothing is running
+    assert page.running_for(EngineKey(OMNI_MODEL, 0, 0)) == 0
+
+
+def test_served_model_name_page_is_capped_by_its_only_pipeline_series() -> None:
+    """vllm-omni labels the pipeline gauge with the model path, the stages with the served name."""
+    page = scan_page((OMNI_PAGES / "vllm-omni-0.30-metrics-served-name-2-replicas-after-load.txt").read_bytes())
+    assert page.running == {EngineKey("kvx-omni-tiny", 0, 0): 4, EngineKey("kvx-omni-tiny", 0, 1): 4}
+    assert page.pipeline_running == {"/tmp/tinyq": 0}
+    assert page.running_for(EngineKey("kvx-omni-tiny", 0, 0)) == 0
+    assert page.running_for(EngineKey("kvx-omni-tiny", 0, 1)) == 0
+
+
+def test_two_pipelines_on_a_page_cap_only_their_own_model() -> None:
+    page = scan_page(
+        b'vllm:num_requests_running{model_name="a",replica="0",stage="0"} 5\n'
+        b'vllm_omni:num_requests_running{model_name="b"} 0\n'
+        b'vllm_omni:num_requests_running{model_name="c"} 0\n'
+    )
+    assert page.running_for(EngineKey("a", 0, 0)) == 5
 
 
 def test_pipeline_cap_does_not_raise_a_lower_stage_figure() -> None:

@@ -1,0 +1,49 @@
+"""vllm-omni tests: a real `vllm-omni serve --omni` in .venv-omni (built by `make omni-env`), driven from .venv."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.omni.omni_server import (
+    NO_OMNI_ENV,
+    OMNI_STAMP,
+    OmniServer,
+    Sidecar,
+    build_model,
+    start_server,
+    start_sidecar,
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.omni)
+            if not OMNI_STAMP.exists():
+                item.add_marker(pytest.mark.skip(reason=NO_OMNI_ENV))
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OmniServer]:
+    """One server for the module, stopped by pid when the module ends, pass or fail."""
+    workdir = tmp_path_factory.mktemp("omni")
+    model_dir = build_model(workdir / "kvx-omni-tiny")
+    server = start_server(workdir, model_dir, workdir / "manifests")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def sidecar(omni: OmniServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
+    exporter = start_sidecar(tmp_path_factory.mktemp("sidecar"), omni.manifest_dir, omni.url("/metrics"))
+    try:
+        yield exporter
+    finally:
+        exporter.stop()

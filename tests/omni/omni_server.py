@@ -1,0 +1,333 @@
+"""Starting and stopping a real `vllm-omni serve ... --omni` (in .venv-omni) and the sidecar (in this venv).
+
+Every process is started in its own session. `stop()` records the whole process tree by pid first (API server,
+stage engine cores, workers, multiprocessing helpers), SIGTERMs the server, then SIGKILLs by pid whatever
+of that tree is still alive; it is idempotent and the fixtures also run it as a finalizer, so a failing test
+never leaves a process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+OMNI_VENV = ROOT / ".venv-omni"
+OMNI_PYTHON = OMNI_VENV / "bin" / "python"
+OMNI_CLI = OMNI_VENV / "bin" / "vllm-omni"
+OMNI_STAMP = OMNI_VENV / ".installed"  # written last by scripts/ensure-omni-env.sh
+NO_OMNI_ENV = "no .venv-omni (run `make omni-env` / scripts/ensure-omni-env.sh to build it)"
+
+MAX_NUM_SEQS = 8
+REPLICAS = 2  # two replicas of the one stage, so the replica index is not trivially 0
+READY_TIMEOUT_S = 600.0  # measured: ~35 s (one replica) to ~70 s (two) on a busy 2-core machine
+REPORT_DIR_ENV = "KVX_OMNI_REPORT_DIR"  # kvx_omni_testplugin.model writes its measured cache bytes there
+
+# Recipe from docs/vllm-omni.md. float32: the bfloat16 default killed the worker on this CPU.
+BASE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_LOGGING_COLOR": "0",
+}
+
+_LOG_PREFIX = re.compile(r"^\((?P<proc>[^ ]+) pid=(?P<pid>\d+)\) (?P<text>.*)$")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below `root` (children, grandchildren, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))) is not None and fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def process_environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def process_title(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def parent_pid(pid: int) -> int:
+    fields = _stat_fields(pid)
+    if fields is None:
+        raise ProcessLookupError(pid)
+    return int(fields[1])
+
+
+def _stop_tree(proc: subprocess.Popen[bytes], tree: Sequence[int], timeout: float) -> list[int]:
+    """SIGTERM the root, wait for it and its tree, SIGKILL (by pid) what is left. Returns the pids killed."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    killed = [pid for pid in (proc.pid, *tree) if alive(pid)]
+    for pid in killed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.wait(timeout=30)
+    return killed
+
+
+def build_model(directory: Path) -> Path:
+    """The tiny Qwen2 checkpoint, written by the omni venv's own transformers."""
+    subprocess.run(
+        [str(OMNI_PYTHON), "-m", "kvx_omni_testplugin.tiny_model", str(directory)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    return directory
+
+
+@dataclass
+class OmniServer:
+    model_dir: Path
+    port: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    manifest_dir: Path
+    report_dir: Path
+    started_at: float
+    tree: list[int] = field(default_factory=list)  # every pid seen below the server, filled while it runs
+    killed: list[int] | None = None  # set by stop(): pids that needed SIGKILL
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def model_name(self) -> str:
+        # No --served-model-name: vllm-omni's pipeline gauge is labelled with the model argument while its
+        # per-stage gauges use the served name (docs/vllm-omni.md), so only the default keeps them equal.
+        return str(self.model_dir)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_lines(self, pid: int) -> list[str]:
+        """The text of every log line the process `pid` printed, in order."""
+        lines = []
+        for line in self.log().splitlines():
+            match = _LOG_PREFIX.match(line)
+            if match and int(match["pid"]) == pid:
+                lines.append(match["text"])
+        return lines
+
+    def remember_tree(self) -> None:
+        self.tree.extend(pid for pid in descendants(self.pid) if pid not in self.tree)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.remember_tree()
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm-omni exited with {self.proc.returncode}:\n{self.log()[-6000:]}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(self.url("/health"), timeout=2) as response:
+                if response.status == 200:
+                    self.remember_tree()
+                    return time.monotonic() - self.started_at
+            time.sleep(1.0)
+        raise TimeoutError(f"vllm-omni not ready after {timeout:.0f} s:\n{self.log()[-6000:]}")
+
+    def stop(self, timeout: float = 60.0) -> list[int]:
+        """Idempotent. Returns the pids that had to be SIGKILLed (empty when SIGTERM sufficed)."""
+        if self.killed is None:
+            if self.proc.poll() is None:
+                self.remember_tree()
+            self.killed = _stop_tree(self.proc, self.tree, timeout)
+        return self.killed
+
+    def completion(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        request = urllib.request.Request(
+            self.url("/v1/completions"), json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=300) as response:
+            result: dict[str, Any] = json.loads(response.read())
+            return result
+
+    def metrics_page(self) -> str:
+        with urllib.request.urlopen(self.url("/metrics"), timeout=30) as response:
+            return str(response.read().decode())
+
+    def manifests(self) -> list[Path]:
+        return sorted(self.manifest_dir.glob("*.json"))
+
+    def cache_reports(self) -> dict[int, dict[str, int]]:
+        """What the model's cache tensors hold, per worker pid (kvx_omni_testplugin.model)."""
+        reports = {}
+        for path in sorted(self.report_dir.glob("caches-*.json")):
+            data = json.loads(path.read_text())
+            reports[int(data["pid"])] = data
+        return reports
+
+
+def start_server(workdir: Path, model_dir: Path, manifest_dir: Path) -> OmniServer:
+    """Start `vllm-omni serve MODEL --omni` with REPLICAS replicas of its one stage (call wait_ready next)."""
+    report_dir = workdir / "cache-reports"
+    port = free_port()
+    env = {**os.environ, **BASE_ENV, "KV_EXPORTER_DIR": str(manifest_dir), REPORT_DIR_ENV: str(report_dir)}
+    command = [
+        str(OMNI_CLI), "serve", str(model_dir), "--omni",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", "512", "--enforce-eager", "--dtype", "float32",
+        "--stage-overrides", json.dumps({"0": {"num_replicas": REPLICAS}}),
+    ]  # fmt: skip
+    log_path = workdir / "vllm-omni.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return OmniServer(model_dir, port, proc, log_path, manifest_dir, report_dir, time.monotonic())
+
+
+@dataclass
+class Sidecar:
+    """`kv-exporter serve` from this (torch-free) venv, reading the server's manifests and page."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+    killed: list[int] | None = None
+
+    def url(self, path: str = "/metrics") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def scrape(self) -> str:
+        with urllib.request.urlopen(self.url(), timeout=30) as response:
+            return str(response.read().decode())
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kv-exporter exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
+            with contextlib.suppress(OSError):
+                self.scrape()
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"kv-exporter not answering after {timeout:.0f} s:\n{self.log_path.read_text()}")
+
+    def stop(self) -> list[int]:
+        if self.killed is None:
+            self.killed = _stop_tree(self.proc, descendants(self.proc.pid), 20.0)
+        return self.killed
+
+
+def start_sidecar(workdir: Path, manifest_dir: Path, engine_url: str) -> Sidecar:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "kv_exporter", "serve", "--manifest-dir", str(manifest_dir),
+        "--engine-url", engine_url, "--no-nvml", "--listen-address", f"127.0.0.1:{port}",
+    ]  # fmt: skip
+    log_path = workdir / "kv-exporter.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    sidecar = Sidecar(proc, port, log_path)
+    sidecar.wait_ready()
+    return sidecar
+
+
+class LoadGenerator:
+    """`clients` threads, each sending completions back to back until `stop()`; errors are kept."""
+
+    def __init__(self, server: OmniServer, clients: int, max_tokens: int) -> None:
+        self.server = server
+        self.max_tokens = max_tokens
+        self.errors: list[BaseException] = []
+        self.completed = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def _run(self, client: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            try:
+                self.server.completion(f"cache key value {client} {n}", self.max_tokens)
+            except BaseException as exc:
+                with self._lock:
+                    self.errors.append(exc)
+                return
+            with self._lock:
+                self.completed += 1
+            n += 1
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=300)
+
+
+def burst(server: OmniServer, count: int, max_tokens: int) -> None:
+    """`count` completions started together (they finish in the same engine step)."""
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            server.completion(f"burst {i}", max_tokens)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    if errors:
+        raise errors[0]
