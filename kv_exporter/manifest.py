@@ -414,7 +414,7 @@ class _Validator:
             capacity_source=self.text(obj, "capacity_source", where),
             scope=self.enum(obj, "scope", ModelLocalKVScope, where).value,
             rows=self.enum(obj, "rows", RowDriver, where).value,
-            rows_fixed=self.integer(obj, "rows_fixed", where, minimum=1),
+            rows_fixed=self.integer(obj, "rows_fixed", where, minimum=0),  # >= 1 for FIXED: checked below
             rows_reason=self.text(obj, "rows_reason", where),
             allocation_note=self.opt_text(obj, "allocation_note", where),
             bytes_per_row=self.integer(obj, "bytes_per_row", where, minimum=1),
@@ -428,6 +428,8 @@ class _Validator:
         expected = 2 * decl.layers * decl.kv_heads * decl.head_dim * decl.physical_capacity_positions * itemsize
         if decl.bytes_per_row != expected:
             raise self.fail("inconsistent", f"{where}: bytes_per_row {decl.bytes_per_row}, geometry gives {expected}")
+        if decl.is_fixed and decl.rows_fixed < 1:
+            raise self.fail("out_of_range", f"{where}: rows=fixed needs rows_fixed >= 1, got {decl.rows_fixed}")
         if decl.is_fixed and not decl.rows_reason.strip():
             raise self.fail("invalid_value", f"{where}: rows=fixed needs a non-blank rows_reason")
 

@@ -202,14 +202,27 @@ def _unwrap(model: object) -> object:
 def _owners(root: object) -> Iterable[tuple[str, HasModelLocalKV]]:
     """Every declarer in the tree, each once, the root first (path "")."""
     seen: set[int] = set()
-    candidates: list[tuple[str, object]] = [("", root)]
+    if isinstance(root, HasModelLocalKV):
+        seen.add(id(root))
+        yield "", root
     named_modules = getattr(root, "named_modules", None)
-    if callable(named_modules):
-        candidates.extend(named_modules())
-    for path, module in candidates:
-        if id(module) not in seen and isinstance(module, HasModelLocalKV):
+    if not callable(named_modules):
+        return
+    for path, module in named_modules():
+        # A runtime-checkable isinstance costs ~9 us; modules declare through their class or instance dict, so
+        # a plain lookup rules out the thousands that do not (10,000 modules: ~90 ms -> ~10 ms).
+        if id(module) in seen or not _may_declare(module):
+            continue
+        if isinstance(module, HasModelLocalKV):
             seen.add(id(module))
             yield path, module
+
+
+def _may_declare(module: object) -> bool:
+    return hasattr(type(module), _DECLARING_METHOD) or _DECLARING_METHOD in getattr(module, "__dict__", ())
+
+
+_DECLARING_METHOD = "model_local_kv_specs"
 
 
 def collect_model_local_kv_specs(

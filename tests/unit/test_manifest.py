@@ -168,6 +168,11 @@ MALFORMED: dict[str, tuple[bytes, str, str]] = {
         "invalid_value",
         "rows_reason",
     ),
+    "fixed with zero rows": (
+        mutate(lambda d: d["declarations"][2].update(rows_fixed=0)),
+        "out_of_range",
+        "rows_fixed",
+    ),
     "blank model name": (mutate(set_path("engine.model_name", "")), "invalid_value", "model_name"),
     "declarations not a list": (mutate(set_path("declarations", {})), "wrong_type", "declarations"),
     "declaration not an object": (mutate(set_path("declarations.0", "x")), "wrong_type", "declarations[0]"),
@@ -220,6 +225,16 @@ def test_unreadable_file_names_the_file(tmp_path: Path) -> None:
         read_manifest(tmp_path / "absent.json")
     assert caught.value.reason == "unreadable"
     assert str(tmp_path / "absent.json") in str(caught.value)
+
+
+def test_rows_fixed_is_ignored_unless_fixed(tmp_path: Path) -> None:
+    """vllm-omni allows rows_fixed=0 on a MAX_NUM_SEQS spec (the field is ignored there): keep it, accept it."""
+    document = good_document()
+    document["declarations"][0]["rows_fixed"] = 0
+    jsonschema.validate(document, SCHEMA)
+    manifest = parse_manifest(json.dumps(document).encode(), "m.json")
+    assert manifest.declarations[0].rows_fixed == 0
+    assert manifest.declarations[0].row_count(256) == 256
 
 
 def test_declaration_from_a_foreign_spec_object() -> None:

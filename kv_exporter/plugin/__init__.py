@@ -1,0 +1,90 @@
+"""The vLLM general plugin ("the hook"): publishes each worker's model-local KV declarations as a manifest.
+
+vLLM calls `register()` in every process it starts (API server, engine core, workers). It only installs an
+import hook: the runner and worker modules are patched when a process imports them, which only processes
+that load a model do. Importing this package imports neither torch nor vllm.
+
+Environment: KV_EXPORTER_DISABLE=1 turns the hook off; KV_EXPORTER_DIR names the manifest folder (default
+/run/kv-exporter, see `settings`); KV_EXPORTER_COLLECTOR=auto|vllm_omni|kv_exporter picks the collector.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from kv_exporter.plugin.hooks import MethodHook, install_on_module, install_post_import
+from kv_exporter.plugin.oncelog import warn_once
+from kv_exporter.plugin.settings import Settings
+
+__all__ = ["HOOKS", "register"]
+
+LOAD_METHOD = "load_model"
+WARMUP_METHOD = "compile_or_warm_up_model"
+
+
+def _on_load(runner: Any) -> None:
+    from kv_exporter.manifest import Phase
+    from kv_exporter.plugin.publish import publish
+
+    publish(runner, Phase.LOAD)
+
+
+def _on_warmup(worker: Any) -> None:
+    from kv_exporter.manifest import Phase
+    from kv_exporter.plugin.publish import publish
+
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        warn_once("no-runner", "kv-exporter: %s has no model_runner; no warm-up manifest", type(worker).__name__)
+        return
+    publish(runner, Phase.WARMUP)
+
+
+def _runner(module: str, *classes: str) -> MethodHook:
+    return MethodHook(module, classes, LOAD_METHOD, _on_load)
+
+
+def _worker(module: str, *classes: str) -> MethodHook:
+    return MethodHook(module, classes, WARMUP_METHOD, _on_warmup)
+
+
+# Base classes per module. Their subclasses (vllm-omni's GPUARModelRunner, GPUGenerationWorker, ...) are
+# wrapped from the bases' __init__, so listing vllm-omni's own base is belt and braces, not a requirement.
+HOOKS: tuple[MethodHook, ...] = (
+    _runner("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+    # Model Runner V2: a separate class tree, vLLM 0.32's default on GPUs with Triton (VLLM_USE_V2_MODEL_RUNNER);
+    # its CPU and multimodal-encoder runners subclass it.
+    _runner("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
+    # Overrides load_model without calling super(): wrapping only GPUModelRunner would never fire on CPU.
+    _runner("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
+    _runner("vllm_omni.worker.gpu_model_runner", "OmniGPUModelRunner"),
+    _worker("vllm.v1.worker.gpu_worker", "Worker"),
+    _worker("vllm.v1.worker.cpu_worker", "CPUWorker"),
+    _worker("vllm_omni.worker.base", "OmniGPUWorkerBase"),
+)
+
+_registered = False
+
+
+def _patcher(module_name: str) -> Any:
+    hooks = [hook for hook in HOOKS if hook.module == module_name]
+
+    def patch(module: ModuleType) -> None:
+        install_on_module(module, hooks)
+
+    return patch
+
+
+def register() -> None:
+    """Idempotent and cheap; does nothing under KV_EXPORTER_DISABLE=1. Never raises into vLLM."""
+    global _registered
+    if _registered:
+        return
+    try:
+        if Settings.from_environ().disabled:
+            return
+        _registered = True
+        install_post_import({hook.module: _patcher(hook.module) for hook in HOOKS})
+    except Exception as exc:
+        warn_once("register", "kv-exporter: plugin registration failed (%r); vLLM runs without it", exc)

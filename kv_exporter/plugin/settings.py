@@ -1,0 +1,50 @@
+"""The hook's settings, read from the environment of each vLLM process (no torch, no vllm)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kv_exporter.manifest import COLLECTORS
+
+ENV_DISABLE = "KV_EXPORTER_DISABLE"
+ENV_DIR = "KV_EXPORTER_DIR"
+ENV_COLLECTOR = "KV_EXPORTER_COLLECTOR"
+
+# The folder the deploy artefacts share between the engine and the sidecar (an emptyDir in the pod).
+DEFAULT_MANIFEST_DIR = "/run/kv-exporter"
+# Used only when the default cannot be written (a non-root process outside the deploy); never for an explicit
+# KV_EXPORTER_DIR, which must not be silently redirected.
+FALLBACK_SUBDIR = "kv-exporter"
+
+COLLECTOR_AUTO = "auto"
+COLLECTOR_CHOICES = (COLLECTOR_AUTO, *COLLECTORS)
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+
+
+@dataclass(frozen=True)
+class Settings:
+    disabled: bool
+    directory: Path
+    explicit_directory: bool  # KV_EXPORTER_DIR was set: no fallback
+    collector: str  # "auto": vllm-omni's when available, else ours; or one of COLLECTORS
+
+    @property
+    def fallback_directory(self) -> Path:
+        return Path(tempfile.gettempdir()) / FALLBACK_SUBDIR
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        folder = env.get(ENV_DIR, "").strip()
+        collector = env.get(ENV_COLLECTOR, COLLECTOR_AUTO).strip().lower() or COLLECTOR_AUTO
+        return cls(
+            disabled=env.get(ENV_DISABLE, "").strip().lower() in _TRUE,
+            directory=Path(folder or DEFAULT_MANIFEST_DIR),
+            explicit_directory=bool(folder),
+            collector=collector if collector in COLLECTOR_CHOICES else COLLECTOR_AUTO,
+        )

@@ -1,0 +1,58 @@
+"""Engine tests: a real vLLM 0.32 CPU engine in .venv-vllm (built by `make engine-env`), driven from .venv."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.engine.server import VLLM_PYTHON, Server, start_server
+from tests.engine.tinymodel import build_model
+
+NO_ENGINE_ENV = "no .venv-vllm (run `make engine-env` / scripts/ensure-vllm-env.sh to build it)"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.engine)
+            if not VLLM_PYTHON.exists():
+                item.add_marker(pytest.mark.skip(reason=NO_ENGINE_ENV))
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny random Qwen2 checkpoint + tokenizer for the whole session."""
+    return build_model(tmp_path_factory.mktemp("kvx-tiny-model"))
+
+
+ServerFactory = Callable[..., Server]
+
+
+@pytest.fixture(scope="class")
+def server_factory(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[ServerFactory]:
+    """Starts servers that are stopped (process group, by pid) when the class ends, pass or fail."""
+    started: list[Server] = []
+
+    def factory(name: str, **kwargs: object) -> Server:
+        server = start_server(tmp_path_factory.mktemp(name), model_dir, **kwargs)  # type: ignore[arg-type]
+        started.append(server)
+        server.wait_ready()
+        return server
+
+    yield factory
+    for server in started:
+        server.stop()
+
+
+def run_in_vllm_venv(code: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run Python `code` in .venv-vllm; fails the test with its output when it exits non-zero."""
+    result = subprocess.run(
+        [str(VLLM_PYTHON), "-c", code], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if result.returncode != 0:
+        pytest.fail(f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}")
+    return result
