@@ -1,0 +1,92 @@
+"""A real Prometheus scraping `kv-exporter demo`: every dashboard query and variable, and every recording rule,
+returns data. (The real-engine chain is tests/deploy/test_chain_engine.py.)"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.helpers import (
+    RULES,
+    Prometheus,
+    dashboard,
+    free_port,
+    prometheus_config,
+    resolve_variables,
+    rule_groups,
+    start_prometheus,
+    stop,
+    wait_http,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def demo() -> Iterator[str]:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kv_exporter", "demo", f"--listen-address={address}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_http(f"http://{address}/healthz", 30, proc)
+        yield address
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def prometheus(demo: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
+    workdir = tmp_path_factory.mktemp("prometheus-demo")
+    config = prometheus_config([demo])
+    with start_prometheus(workdir, config, {RULES.name: RULES.read_text()}) as prometheus:
+        yield prometheus
+
+
+def test_exporter_is_scraped(prometheus: Prometheus) -> None:
+    (sample,) = prometheus.wait_for('up{job="kv-exporter"} == 1', 30)
+    assert sample["metric"]["job"] == "kv-exporter"
+
+
+def test_every_dashboard_query_returns_data(prometheus: Prometheus) -> None:
+    prometheus.wait_for('up{job="kv-exporter"} == 1', 30)
+    # Rate windows ($__rate_interval = 1m here) need two samples inside them.
+    prometheus.wait_for("count_over_time(model_local_kv_nvml_up[1m]) >= 3", 30)
+    missing = prometheus.panels_without_data(30)
+    assert not missing, "panels without data:\n" + "\n".join(missing)
+
+
+def test_every_dashboard_variable_has_values(prometheus: Prometheus) -> None:
+    prometheus.wait_for('up{job="kv-exporter"} == 1', 30)
+    for variable in dashboard()["templating"]["list"]:
+        if variable["type"] != "query":
+            continue
+        match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", variable["query"])
+        assert match, variable["query"]
+        selector, label = resolve_variables(match.group(1)), match.group(2)
+        values = prometheus.api(f"label/{label}/values", **{"match[]": selector})
+        assert values, f"${variable['name']}: no values for {variable['query']}"
+
+
+def test_every_recording_rule_returns_data(prometheus: Prometheus) -> None:
+    prometheus.wait_for('up{job="kv-exporter"} == 1', 30)
+    for group in rule_groups():
+        for rule in group["rules"]:
+            if "record" in rule:
+                prometheus.wait_for(rule["record"], 30, what=f"recording rule {rule['record']}")
+
+
+def test_prometheus_loaded_every_rule(prometheus: Prometheus) -> None:
+    groups = prometheus.api("rules")["groups"]
+    loaded = {r["name"] for g in groups for r in g["rules"]}
+    expected = {r.get("alert") or r["record"] for g in rule_groups() for r in g["rules"]}
+    assert loaded == expected
+    assert Path(RULES).exists()

@@ -1,0 +1,219 @@
+"""The whole chain, end to end: a real vLLM engine on CPU with the plugin (tests/engine's environment) writes
+manifests; real kv-exporter sidecars read them and the engine's real metrics page; a real Prometheus scrapes the
+sidecars and evaluates the shipped rules. Everything is asserted through Prometheus' HTTP API.
+
+Two sidecars read the same engine, each with a simulated GPU (the only simulated part): "roomy" has memory to
+spare, "tight" is set so that the projected peak exceeds its total. The projected-peak alert must fire for
+"tight" only. Its `for: 5m` is shortened to 0s in the copy of the rules this test loads; the expression is
+the shipped one.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kv_exporter.manifest import Manifest, read_manifest
+from tests.deploy.helpers import (
+    RULES,
+    Prometheus,
+    free_port,
+    prometheus_config,
+    start_prometheus,
+    stop,
+    wait_http,
+)
+from tests.engine.server import MAX_NUM_SEQS, SERVED_NAME, VLLM_PYTHON, Server, start_server
+from tests.engine.tinymodel import build_model
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.engine,
+    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (run `make engine-env`)"),
+]
+
+ALERT = "ModelLocalKVProjectedPeakAboveGPUMemory"
+GIB = 1 << 30
+LOAD_ROUNDS = 4
+LOAD_CONCURRENCY = 8
+LOAD_TOKENS = 200
+
+
+def final_manifests(server: Server, timeout: float = 120) -> list[Manifest]:
+    """The engine's manifests once every one has been rewritten after warm-up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        manifests = [read_manifest(p) for p in server.manifests()]
+        if manifests and all(m.phase.value == "warmup" for m in manifests):
+            return manifests
+        time.sleep(0.5)
+    pytest.fail(f"no warm-up manifests in {server.manifest_dir} after {timeout}s:\n{server.log()[-3000:]}")
+
+
+@dataclass
+class Chain:
+    server: Server
+    manifests: list[Manifest]
+    sidecars: dict[str, str]  # name -> listen address (Prometheus' instance label)
+    prometheus: Prometheus
+    load_started: float
+    load_finished: float
+
+
+def scaling_ceiling(manifests: list[Manifest]) -> int:
+    return sum(d.peak_bytes(m.max_num_seqs) for m in manifests for d in m.declarations if not d.is_fixed)
+
+
+def start_sidecar(name: str, server: Server, simulate: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    address = f"127.0.0.1:{free_port()}"
+    log = (workdir / f"sidecar-{name}.log").open("wb")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kv_exporter",
+            "serve",
+            f"--manifest-dir={server.manifest_dir}",
+            f"--engine-url={server.url('/metrics')}",
+            f"--simulate-gpu={simulate}",
+            f"--listen-address={address}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    log.close()
+    wait_http(f"http://{address}/healthz", 30, proc)
+    return proc, address
+
+
+def rules_with_immediate_alert() -> str:
+    rules = yaml.safe_load(RULES.read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == ALERT:
+                rule["for"] = "0s"
+    return str(yaml.safe_dump(rules, sort_keys=False))
+
+
+def run_load(server: Server) -> None:
+    for _ in range(LOAD_ROUNDS):
+        server.concurrent_completions(LOAD_CONCURRENCY, max_tokens=LOAD_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
+    workdir = tmp_path_factory.mktemp("chain")
+    model = build_model(tmp_path_factory.mktemp("chain-model"))
+    server = start_server(workdir / "engine", model, args=["--shutdown-timeout", "10"])
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        server.wait_ready()
+        manifests = final_manifests(server)
+        # A deliberately broken manifest beside the real ones: the error counter and its panel get data.
+        (server.manifest_dir / "broken-by-test.json").write_text('{"schema_version": 1, "truncated": ')
+        ceiling = scaling_ceiling(manifests)
+        assert ceiling > 0, "the test model declares max_num_seqs-driven caches"
+        # tight: idle, the projected peak is used + the whole scaling ceiling, half a ceiling above total.
+        tight_total = 4 * GIB
+        sims = {"roomy": f"{80 * GIB}:{1 * GIB}", "tight": f"{tight_total}:{tight_total - ceiling // 2}"}
+        sidecars = {}
+        for name, simulate in sims.items():
+            proc, address = start_sidecar(name, server, simulate, workdir)
+            processes.append(proc)
+            sidecars[name] = address
+        config = prometheus_config(list(sidecars.values()))
+        rules = {RULES.name: rules_with_immediate_alert()}
+        with start_prometheus(workdir / "prometheus", config, rules) as prometheus:
+            prometheus.wait_for('up{job="kv-exporter"} == 1', 30)
+            prometheus.wait_for("count_over_time(model_local_kv_running_sequences[1m]) >= 3", 30)
+            load_started = time.time()
+            run_load(server)
+            load_finished = time.time()
+            time.sleep(3)  # a few idle scrapes after the load
+            yield Chain(server, manifests, sidecars, prometheus, load_started, load_finished)
+    finally:
+        for proc in processes:
+            stop(proc)
+        server.stop()
+
+
+def series(chain: Chain, expr: str) -> list[tuple[float, float]]:
+    """(time, value) samples of a one-series expression over the load window, at the scrape interval."""
+    data = chain.prometheus.api(
+        "query_range",
+        query=expr,
+        start=str(chain.load_started - 5),
+        end=str(chain.load_finished + 3),
+        step="1",
+    )
+    result: list[dict[str, Any]] = data["result"]
+    assert len(result) == 1, f"{expr}: {len(result)} series"
+    return [(float(t), float(v)) for t, v in result[0]["values"]]
+
+
+def roomy(metric: str, chain: Chain) -> str:
+    return f'{metric}{{instance="{chain.sidecars["roomy"]}", model_name="{SERVED_NAME}"}}'
+
+
+def test_running_count_rises_under_load(chain: Chain) -> None:
+    running = [v for _, v in series(chain, roomy("model_local_kv_running_sequences", chain))]
+    assert max(running) > 0, running
+    assert max(running) <= MAX_NUM_SEQS
+    assert running[0] == 0 and running[-1] == 0, "idle before and after the load"
+
+
+def expected_estimate(manifests: list[Manifest], running: int) -> int:
+    return sum(
+        d.rows_at(min(running, manifest.max_num_seqs)) * d.bytes_per_row
+        for manifest in manifests
+        for d in manifest.declarations
+    )
+
+
+def test_estimate_follows_the_running_count(chain: Chain) -> None:
+    running = dict(series(chain, roomy("model_local_kv_running_sequences", chain)))
+    estimate = dict(series(chain, f"sum({roomy('model_local_kv_estimated_bytes', chain)})"))
+    both = sorted(set(running) & set(estimate))
+    assert both
+    for t in both:
+        assert estimate[t] == expected_estimate(chain.manifests, int(running[t])), f"at {t}"
+    busy = [estimate[t] for t in both if running[t] > 0]
+    idle = [estimate[t] for t in both if running[t] == 0]
+    assert busy and idle and min(busy) > max(idle)
+
+
+def test_ceiling_equals_the_declarations_at_max_num_seqs(chain: Chain) -> None:
+    for manifest in chain.manifests:
+        for d in manifest.declarations:
+            selector = f'owner="{d.owner}", cache="{d.name}", instance="{chain.sidecars["roomy"]}"'
+            (sample,) = chain.prometheus.query(f"model_local_kv_ceiling_bytes{{{selector}}}")
+            assert int(float(sample["value"][1])) == d.peak_bytes(manifest.max_num_seqs), d
+    (total,) = chain.prometheus.query(f"sum({roomy('model_local_kv_ceiling_bytes', chain)})")
+    assert int(float(total["value"][1])) == sum(m.declared_peak_bytes() for m in chain.manifests)
+    (seqs,) = chain.prometheus.query(roomy("model_local_kv_max_num_seqs", chain))
+    assert int(float(seqs["value"][1])) == MAX_NUM_SEQS
+
+
+def test_every_dashboard_query_returns_data(chain: Chain) -> None:
+    missing = chain.prometheus.panels_without_data(30)
+    assert not missing, "panels without data:\n" + "\n".join(missing)
+
+
+def test_projected_peak_alert_fires_only_where_it_is_true(chain: Chain) -> None:
+    firing = chain.prometheus.wait_for(f'ALERTS{{alertname="{ALERT}", alertstate="firing"}}', 30)
+    assert {s["metric"]["instance"] for s in firing} == {chain.sidecars["tight"]}
+    # The roomy device: the same expression holds nowhere.
+    assert not chain.prometheus.query(
+        f'model_local_kv_gpu_projected_peak_bytes{{instance="{chain.sidecars["roomy"]}"}}'
+        f" > model_local_kv_gpu_memory_total_bytes"
+    )
+    (alert,) = chain.prometheus.firing(ALERT)
+    assert alert["labels"]["severity"] == "critical" and alert["labels"]["source"] == "simulated"
