@@ -13,10 +13,13 @@ from types import FrameType
 
 from kv_exporter import __version__
 from kv_exporter.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
+from kv_exporter.manifest import DEFAULT_LIMITS
 from kv_exporter.plugin.settings import DEFAULT_MANIFEST_DIR
 from kv_exporter.server import DEFAULT_LISTEN_ADDRESS, ExporterApp, ExporterServer, parse_listen_address
 
 log = logging.getLogger("kv_exporter")
+
+SHUTDOWN_MARGIN_S = 5.0  # beyond the engine timeout, for reading manifests and rendering a scrape
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 _FACTORS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
@@ -28,6 +31,13 @@ def parse_size(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 80GiB, 512MiB, 1073741824)")
     return int(float(match.group(1)) * _FACTORS[match.group(2)])
+
+
+def _positive_size(text: str) -> int:
+    size = parse_size(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return size
 
 
 def parse_simulated_gpu(text: str) -> tuple[int, int]:
@@ -75,6 +85,30 @@ def _common(parser: argparse.ArgumentParser, default_listen: str) -> None:
     )
 
 
+def _limits(serve: argparse.ArgumentParser) -> None:
+    from kv_exporter.collector import DEFAULT_MAX_SERIES, SERIES_PER_DECLARATION, SERIES_PER_ENGINE
+
+    serve.add_argument(
+        "--manifest-max-bytes",
+        type=_positive_size,
+        default=DEFAULT_LIMITS.max_bytes,
+        help="larger manifest files are rejected unread (reason too_large; default %(default)s bytes)",
+    )
+    serve.add_argument(
+        "--manifest-max-declarations",
+        type=_positive_int,
+        default=DEFAULT_LIMITS.max_declarations,
+        help="manifests with more declarations are rejected (reason too_many_declarations; default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-series",
+        type=_positive_int,
+        default=DEFAULT_MAX_SERIES,
+        help=f"cap on the series live manifests add ({SERIES_PER_DECLARATION} a declaration, {SERIES_PER_ENGINE} an "
+        "engine); the newest manifests past it are left out whole (default %(default)s)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kv_exporter.demo import DEMO_LISTEN_ADDRESS
 
@@ -104,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_PAGE_BYTES,
         help="largest engine page accepted (default %(default)s bytes)",
     )
+    _limits(serve)
     gpu = serve.add_mutually_exclusive_group()
     gpu.add_argument("--no-nvml", action="store_true", help="do not read GPUs (no per-GPU series)")
     gpu.add_argument(
@@ -156,6 +191,7 @@ def _wait_for_signal() -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from kv_exporter.collector import Collection, Settings
+    from kv_exporter.manifest import ManifestLimits
     from kv_exporter.nvml import GpuReader, NvmlReader, SimulatedGpu
     from kv_exporter.server import serve_in_thread, server_url
 
@@ -169,6 +205,8 @@ def run_serve(args: argparse.Namespace) -> int:
         targets=tuple(args.engine_url),
         fetch_timeout_s=args.engine_timeout,
         max_page_bytes=args.engine_max_bytes,
+        manifest_limits=ManifestLimits(args.manifest_max_bytes, args.manifest_max_declarations),
+        max_series=args.max_series,
     )
     collection = Collection(settings, reader)
     try:
@@ -183,8 +221,9 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         _wait_for_signal()
     finally:
-        server.shutdown()
-        server.server_close()
+        # A scrape in progress waits for its engine pages (at most the engine timeout), then renders.
+        if not server.stop(grace_s=args.engine_timeout + SHUTDOWN_MARGIN_S):
+            log.warning("stopped with a scrape still being answered")
         collection.close()
         if isinstance(reader, NvmlReader):
             reader.close()
@@ -197,9 +236,15 @@ def _listen(args: argparse.Namespace, app: ExporterApp) -> ExporterServer:
 
     if not args.web_config_file:
         return build_server(args.listen_address, app)
-    from kv_exporter.webconfig import WebConfigHandlerMixin, WebConfigReloader, WebConfigServerMixin
+    from kv_exporter.webconfig import (
+        ReloadStatusCollector,
+        WebConfigHandlerMixin,
+        WebConfigReloader,
+        WebConfigServerMixin,
+    )
 
     reloader = WebConfigReloader(args.web_config_file)  # refuses to start on a bad file, as the toolkit does
+    app.registry.register(ReloadStatusCollector(reloader))
 
     class Server(WebConfigServerMixin, ExporterServer):
         pass

@@ -17,12 +17,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample, Timestamp
 
 from kv_exporter import __version__
 from kv_exporter.engine_page import (
@@ -69,7 +70,9 @@ class ManifestEntry:
         return self.verdict.state is State.LIVE
 
 
-_Signature = tuple[int, int, int]  # inode, mtime_ns, size
+# inode, mtime, ctime, size. The change time catches what the others miss: a chmod that makes a file readable, and
+# an in-place rewrite that restores the old mtime (cp -p, rsync -t, tar); nothing can set it back.
+_Signature = tuple[int, int, int, int]
 
 
 class ManifestStore:
@@ -106,7 +109,7 @@ class ManifestStore:
             except OSError:
                 continue  # removed between listing and stat: it is simply gone
             if entry.is_file():
-                yield entry.path, (st.st_ino, st.st_mtime_ns, st.st_size)
+                yield entry.path, (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
 
     def _folder_failed(self, error: str | None) -> None:
         if error is not None and self.folder_error is None:
@@ -164,7 +167,13 @@ class EnginePages:
         self._last_reason: dict[str, str | None] = {}
 
     def read_all(self) -> list[PageResult]:
-        futures = [self._pool.submit(self._read, target) for target in self.targets]
+        return self.finish(self.start())
+
+    def start(self) -> list[Future[PageResult]]:
+        """Start every fetch; `finish` waits for them (the caller works on manifests in between)."""
+        return [self._pool.submit(self._read, target) for target in self.targets]
+
+    def finish(self, futures: Sequence[Future[PageResult]]) -> list[PageResult]:
         results = [future.result() for future in futures]
         for result in results:
             self._account(result)
@@ -176,7 +185,9 @@ class EnginePages:
             page = read_engine(target, self.timeout_s, self.max_bytes)
             return PageResult(target.target, page, None, time.perf_counter() - started)
         except EnginePageError as exc:
-            return PageResult(target.target, None, exc, time.perf_counter() - started)
+            # Kept without its traceback: its frames hold what was read (up to --engine-max-bytes), and this frame
+            # holding `exc` would make a cycle that only the cyclic GC frees (+4 MiB of RSS a scrape of a 50 MB page).
+            return PageResult(target.target, None, exc.with_traceback(None), time.perf_counter() - started)
         except Exception as exc:  # a bug must not take the exporter down: report it like a bad page
             log.exception("engine page %s: unexpected error", target.target)
             error = EnginePageError("internal_error", f"{type(exc).__name__}: {exc}"[:200])
@@ -343,6 +354,7 @@ class Snapshot:
     manifest_folder_error: str | None
     duration_s: float
     taken_at: float
+    series_dropped: tuple[str, ...] = ()  # live manifests left out by the series cap (paths)
 
     def manifest_counts(self) -> dict[State, int]:
         counts = dict.fromkeys(State, 0)
@@ -432,19 +444,20 @@ def engine_views(entries: Sequence[ManifestEntry], running: RunningCounts) -> li
 def safe_max_num_seqs(device: GpuMemory, views: Sequence[DeclarationView]) -> int | None:
     """Largest M with used + sum(bytes_per_row * max(0, M - estimated rows)) <= total, over this GPU's
     max_num_seqs-driven declarations (every engine on the GPU at the same M); None when there are none."""
-    scaling = [v for v in views if not v.declaration.is_fixed]
+    # (bytes_per_row, estimated rows) pairs: the search below evaluates peak() ~30 times per GPU.
+    scaling = [(v.declaration.bytes_per_row, v.estimate_rows) for v in views if not v.declaration.is_fixed]
     if not scaling:
         return None
 
     def peak(m: int) -> int:
-        return device.used + sum(v.declaration.bytes_per_row * max(0, m - v.estimate_rows) for v in scaling)
+        return device.used + sum(per_row * (m - rows) for per_row, rows in scaling if m > rows)
 
     if peak(0) > device.total:
         return 0
     # peak(hi) > total: the cheapest row alone overflows the free bytes by then.
-    cheapest = min(scaling, key=lambda v: v.declaration.bytes_per_row)
+    cheapest_per_row, cheapest_rows = min(scaling)
     low = 0
-    high = cheapest.estimate_rows + (device.total - device.used) // cheapest.declaration.bytes_per_row + 1
+    high = cheapest_rows + (device.total - device.used) // cheapest_per_row + 1
     while high - low > 1:
         middle = (low + high) // 2
         if peak(middle) <= device.total:
@@ -456,13 +469,14 @@ def safe_max_num_seqs(device: GpuMemory, views: Sequence[DeclarationView]) -> in
 
 def gpu_views(gpu: GpuResult, entries: Sequence[ManifestEntry], views: Views) -> list[GpuView]:
     result = []
+    # Grouped in one pass each, not one pass per device (docs/benchmarks.md, target 1).
+    views_at = _by_place(((v.uuid, None if v.gpu == "" else int(v.gpu)), v) for v in views)
+    pids_at = _by_place(
+        (_uuid_index(e.manifest, gpu), e.manifest.process.pid) for e in entries if e.manifest is not None and e.live
+    )
     for device in gpu.devices:
-        mine = [v for v in views if _placed_on(v.uuid, None if v.gpu == "" else int(v.gpu), device)]
-        pids = {
-            e.manifest.process.pid
-            for e in entries
-            if e.manifest is not None and e.live and _placed_on(*_uuid_index(e.manifest, gpu), device)
-        }
+        mine = _placed(views_at, device)
+        pids = set(_placed(pids_at, device))
         listed = gpu.processes.get(device.index, {})
         result.append(
             GpuView(
@@ -477,11 +491,77 @@ def gpu_views(gpu: GpuResult, entries: Sequence[ManifestEntry], views: Views) ->
     return result
 
 
+_Place = tuple[str, int | None]  # (UUID or "", index): what `_placed_on` matches a device by
+P = TypeVar("P")
+
+
+def _by_place(items: Iterable[tuple[_Place, P]]) -> dict[_Place, list[P]]:
+    groups: dict[_Place, list[P]] = {}
+    for place, item in items:
+        # A UUID decides alone (see _placed_on): keyed by it, the index is irrelevant.
+        groups.setdefault((place[0], None) if place[0] else place, []).append(item)
+    return groups
+
+
+def _placed(groups: dict[_Place, list[P]], device: GpuMemory) -> list[P]:
+    """The items `_placed_on` would put on `device`."""
+    return groups.get((device.uuid, None), []) + groups.get(("", device.index), [])
+
+
+# What one live manifest can add to the page: the per-declaration families for each of its declarations, and the
+# per-engine families for its engine. Per-GPU and per-page series are bounded by the hardware and the configuration,
+# not by what a declarer writes, so only these count against the series cap.
+SERIES_PER_DECLARATION = 5
+SERIES_PER_ENGINE = 4
+# 10,000 declarations' worth: far above a real node (a few engines per GPU, a handful of caches each), and still a
+# page Prometheus takes in one scrape (~13 MB of text, ~1-2 s on two cores).
+DEFAULT_MAX_SERIES = SERIES_PER_DECLARATION * 10_000
+
+
+def manifest_series(manifest: Manifest) -> int:
+    """The most series one live manifest can add to the page."""
+    return SERIES_PER_DECLARATION * len(manifest.declarations) + SERIES_PER_ENGINE
+
+
+def _age(entry: ManifestEntry) -> tuple[float, str]:
+    return (entry.manifest.written_at if entry.manifest else 0.0, entry.path)
+
+
+def limit_series(
+    entries: Sequence[ManifestEntry], max_series: int | None
+) -> tuple[list[ManifestEntry], list[ManifestEntry]]:
+    """(kept, dropped) live manifests under the series cap.
+
+    Oldest first (by `written_at`, then path) until the next manifest would take the page past `max_series`; that
+    one and every newer one are dropped whole (part of a manifest would understate its engine without saying so).
+    Oldest first keeps the series Prometheus already has: a runaway declarer or a burst of new engines loses its own
+    series, not everybody else's. The rule depends only on the files, so the same manifests stay out scrape after
+    scrape.
+    """
+    live = sorted((e for e in entries if e.live and e.manifest is not None), key=_age)
+    total = 0
+    for i, entry in enumerate(live):
+        total += manifest_series(entry.manifest) if entry.manifest else 0
+        if max_series is not None and total > max_series:
+            return live[:i], live[i:]
+    return live, []
+
+
+def _mark_dropped(entries: Sequence[ManifestEntry], dropped: Sequence[ManifestEntry]) -> list[ManifestEntry]:
+    """The entries, the dropped ones saying so (for the landing page; their state stays live)."""
+    paths = {e.path for e in dropped}
+    note = "; left out of the metrics: over --max-series"
+    return [
+        replace(e, verdict=Verdict(e.verdict.state, e.verdict.why + note)) if e.path in paths else e for e in entries
+    ]
+
+
 def build_snapshot(
     entries: Sequence[ManifestEntry],
     pages: Sequence[PageResult],
     gpu: GpuResult,
     *,
+    max_series: int | None = None,
     manifest_folder: str = "",
     manifest_folder_error: str | None = None,
     manifest_errors_total: dict[str, int] | None = None,
@@ -491,14 +571,17 @@ def build_snapshot(
     taken_at: float = 0.0,
 ) -> Snapshot:
     """Pure: the same inputs give the same snapshot."""
+    kept, dropped = limit_series(entries, max_series)
     running = running_counts(pages)
-    views = declaration_views(entries, running, gpu)
+    views = declaration_views(kept, running, gpu)
+    # The cap limits series, not truth: left-out manifests still count in their GPU's projected peak.
+    unexported = declaration_views(dropped, running, gpu) if dropped else []
     return Snapshot(
-        manifests=tuple(entries),
+        manifests=tuple(_mark_dropped(entries, dropped) if dropped else entries),
         declarations=tuple(views),
-        engines=tuple(engine_views(entries, running)),
+        engines=tuple(engine_views(kept, running)),
         pages=tuple(pages),
-        gpus=tuple(gpu_views(gpu, entries, views)),
+        gpus=tuple(gpu_views(gpu, entries, [*views, *unexported])),
         gpu=gpu,
         manifest_errors_total=dict(manifest_errors_total or {}),
         page_errors_total=dict(page_errors_total or {}),
@@ -507,6 +590,7 @@ def build_snapshot(
         manifest_folder_error=manifest_folder_error,
         duration_s=duration_s,
         taken_at=taken_at,
+        series_dropped=tuple(sorted(e.path for e in dropped)),
     )
 
 
@@ -559,6 +643,7 @@ class Settings:
     fetch_timeout_s: float = DEFAULT_TIMEOUT_S
     max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES
     manifest_limits: ManifestLimits = DEFAULT_LIMITS
+    max_series: int = DEFAULT_MAX_SERIES
     proc: str = "/proc"
 
 
@@ -573,18 +658,21 @@ class Collection:
         self.pages = EnginePages(settings.targets, settings.fetch_timeout_s, settings.max_page_bytes)
         self.nvml_errors_total: Counter[str] = Counter()
         self._last_nvml_error: str | None = None
+        self._last_dropped: tuple[str, ...] = ()
         self.snapshot = SingleFlight(self._collect)
 
     def _collect(self) -> Snapshot:
         started = time.perf_counter()
+        fetches = self.pages.start()  # the engines answer while this thread reads manifests, /proc and GPUs
         entries = assess(self.store.load(), self.our_namespace, self.settings.proc)
-        pages = self.pages.read_all()
         gpu = read_gpus(self.gpu_reader, entries)
+        pages = self.pages.finish(fetches)
         self._account_gpu(gpu)
-        return build_snapshot(
+        snapshot = build_snapshot(
             entries,
             pages,
             gpu,
+            max_series=self.settings.max_series,
             manifest_folder=self.settings.manifest_dir,
             manifest_folder_error=self.store.folder_error,
             manifest_errors_total=dict(self.store.errors_total),
@@ -593,6 +681,21 @@ class Collection:
             duration_s=time.perf_counter() - started,
             taken_at=time.time(),
         )
+        self._account_series(snapshot.series_dropped)
+        return snapshot
+
+    def _account_series(self, dropped: tuple[str, ...]) -> None:
+        """Log when the set of manifests left out by the series cap changes, not on every scrape."""
+        if dropped != self._last_dropped:
+            if dropped:
+                shown = ", ".join(dropped[:3]) + (f" and {len(dropped) - 3} more" if len(dropped) > 3 else "")
+                log.warning(
+                    "series cap (--max-series %d) reached: %d live manifest(s) left out, newest first: %s",
+                    self.settings.max_series, len(dropped), shown,
+                )  # fmt: skip
+            else:
+                log.info("series cap no longer reached: every live manifest is exported")
+            self._last_dropped = dropped
 
     def _account_gpu(self, gpu: GpuResult) -> None:
         errors = ([gpu.error] if gpu.error else []) + list(gpu.device_errors)
@@ -622,8 +725,37 @@ SAFE_MAX_NUM_SEQS_HELP = (
 )
 
 
-def _gauge(name: str, doc: str, labels: Sequence[str]) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, labels=list(labels))
+class GaugeRows(GaugeMetricFamily):
+    """A gauge family that keeps its series as (label values, value) rows.
+
+    prometheus_client's `Sample` objects (a label dict each) are built only when something asks for `samples`;
+    the exporter's own exposition (`server.Exposition`) reads `rows`. On a page of a few hundred declaration
+    series, making and re-reading those dicts was a third of the scrape (docs/benchmarks.md, target 1).
+    """
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
+        self.label_names = tuple(labels)
+        self.rows: list[tuple[tuple[str, ...], float]] = []
+        super().__init__(name, documentation, labels=list(labels))
+
+    def add_metric(self, labels: Sequence[str], value: float, timestamp: float | Timestamp | None = None) -> None:
+        if timestamp is not None or len(labels) != len(self.label_names):
+            raise ValueError(f"{self.name}: want {len(self.label_names)} label values and no timestamp")
+        self.rows.append((tuple(labels), value))
+
+    @property
+    def samples(self) -> list[Sample]:
+        names = self.label_names
+        return [Sample(self.name, dict(zip(names, labels, strict=True)), value) for labels, value in self.rows]
+
+    @samples.setter
+    def samples(self, value: list[Sample]) -> None:
+        if value:  # Metric.__init__ sets [], which is all there is to set
+            raise AttributeError(f"{self.name}: add series with add_metric")
+
+
+def _gauge(name: str, doc: str, labels: Sequence[str]) -> GaugeRows:
+    return GaugeRows(name, doc, labels)
 
 
 def _declaration_labels(view: DeclarationView) -> tuple[str, ...]:
@@ -768,12 +900,17 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
     )
     for reason, count in sorted(snapshot.nvml_errors_total.items()):
         nvml_errors.add_metric((reason,), count)
+    dropped = GaugeMetricFamily(
+        "model_local_kv_series_limit_dropped_manifests",
+        "Live manifests left out of this page because their series would exceed --max-series (newest first).",
+        value=len(snapshot.series_dropped),
+    )
     duration = GaugeMetricFamily(
         "model_local_kv_scrape_duration_seconds", "Seconds the collection took.", value=snapshot.duration_s
     )
     build = _gauge("model_local_kv_exporter_build_info", "kv-exporter version (value 1).", ("version",))
     build.add_metric((__version__,), 1)
-    return [nvml_up, manifests, manifest_errors, page_errors, nvml_errors, duration, build]
+    return [nvml_up, manifests, manifest_errors, page_errors, nvml_errors, dropped, duration, build]
 
 
 def families(snapshot: Snapshot) -> list[Metric]:

@@ -41,6 +41,8 @@ from typing import Any
 
 import bcrypt
 import yaml
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 logger = logging.getLogger("kv_exporter.webconfig")
 
@@ -728,6 +730,25 @@ class WebConfigReloader:
         self.reloads += 1
         self.last_error = None
         logger.info("web config reloaded from %s", self.path)
+
+
+RELOAD_METRIC = "model_local_kv_web_config_last_reload_successful"
+
+
+class ReloadStatusCollector(Collector):
+    """Whether the last change to the web config (or a certificate it names) could be loaded, as a metric."""
+
+    def __init__(self, reloader: WebConfigReloader) -> None:
+        self.reloader = reloader
+
+    def collect(self) -> Iterable[Metric]:
+        self.reloader.current()  # notice an edit even if no request looked since (at most one check a second)
+        yield GaugeMetricFamily(
+            RELOAD_METRIC,
+            "1 if the web config in force is the file as it is now; 0 while a broken edit is refused and the "
+            "last good config serves.",
+            value=int(self.reloader.last_reload_ok),
+        )
 
 
 # -- serving ----------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from tests.deploy.helpers import (
 )
 from tests.engine.server import MAX_NUM_SEQS, SERVED_NAME, VLLM_PYTHON, Server, start_server
 from tests.engine.tinymodel import build_model
+from tests.loadgen import LoadGenerator
 
 pytestmark = [
     pytest.mark.e2e,
@@ -42,7 +43,7 @@ pytestmark = [
 
 ALERT = "ModelLocalKVProjectedPeakAboveGPUMemory"
 GIB = 1 << 30
-LOAD_ROUNDS = 4
+LOAD_S = 8.0
 LOAD_CONCURRENCY = 8
 LOAD_TOKENS = 200
 
@@ -104,8 +105,15 @@ def rules_with_immediate_alert() -> str:
 
 
 def run_load(server: Server) -> None:
-    for _ in range(LOAD_ROUNDS):
-        server.concurrent_completions(LOAD_CONCURRENCY, max_tokens=LOAD_TOKENS)
+    """Keep the engine busy for LOAD_S: a burst of tiny-model completions ends within one scrape interval."""
+
+    def send(client: int, n: int) -> object:
+        return server.completion(f"The quick brown fox {client} {n}", LOAD_TOKENS)
+
+    with LoadGenerator(send, LOAD_CONCURRENCY) as load:
+        time.sleep(LOAD_S)
+    assert not load.errors, load.errors[:3]
+    assert load.completed >= LOAD_CONCURRENCY
 
 
 @pytest.fixture(scope="module")

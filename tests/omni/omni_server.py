@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.loadgen import LoadGenerator
+
 ROOT = Path(__file__).resolve().parents[2]
 OMNI_VENV = ROOT / ".venv-omni"
 OMNI_PYTHON = OMNI_VENV / "bin" / "python"
@@ -279,39 +281,8 @@ def start_sidecar(workdir: Path, manifest_dir: Path, engine_url: str) -> Sidecar
     return sidecar
 
 
-class LoadGenerator:
-    """`clients` threads, each sending completions back to back until `stop()`; errors are kept."""
-
-    def __init__(self, server: OmniServer, clients: int, max_tokens: int) -> None:
-        self.server = server
-        self.max_tokens = max_tokens
-        self.errors: list[BaseException] = []
-        self.completed = 0
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
-
-    def _run(self, client: int) -> None:
-        n = 0
-        while not self._stop.is_set():
-            try:
-                self.server.completion(f"cache key value {client} {n}", self.max_tokens)
-            except BaseException as exc:
-                with self._lock:
-                    self.errors.append(exc)
-                return
-            with self._lock:
-                self.completed += 1
-            n += 1
-
-    def start(self) -> None:
-        for thread in self._threads:
-            thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(timeout=300)
+def load_generator(server: OmniServer, clients: int, max_tokens: int) -> LoadGenerator:
+    return LoadGenerator(lambda client, n: server.completion(f"cache key value {client} {n}", max_tokens), clients)
 
 
 def burst(server: OmniServer, count: int, max_tokens: int) -> None:

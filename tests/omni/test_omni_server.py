@@ -18,11 +18,11 @@ from kv_exporter.manifest import Manifest, Phase, read_manifest
 from tests.omni.omni_server import (
     MAX_NUM_SEQS,
     REPLICAS,
-    LoadGenerator,
     OmniServer,
     Sidecar,
     alive,
     burst,
+    load_generator,
     parent_pid,
     process_environ,
     process_title,
@@ -184,7 +184,7 @@ def test_sidecar_reads_both_gauges_and_the_estimate_follows_the_running_count(
     for reading in idle.values():
         assert reading == EngineReading(running=0, window_estimate=0, static_estimate=static_row)
 
-    load = LoadGenerator(omni, CLIENTS, max_tokens=48)
+    load = load_generator(omni, CLIENTS, max_tokens=48)
     samples: list[dict[int, EngineReading]] = []
     load.start()
     try:
@@ -208,7 +208,7 @@ def test_sidecar_reads_both_gauges_and_the_estimate_follows_the_running_count(
     assert peak >= 2, f"the estimate never followed concurrent requests: {samples}"
 
 
-def test_stale_high_per_stage_gauge_is_capped_by_the_pipeline_gauge(omni: OmniServer, sidecar: Sidecar) -> None:
+def test_stale_high_per_stage_gauge_reads_zero_once_the_pipeline_is_idle(omni: OmniServer, sidecar: Sidecar) -> None:
     """vllm-omni throttles scheduler stats to one per second and sends none while idle, so after a burst the
     per-stage gauge usually keeps its last non-zero value; the pipeline gauge returns to 0. The exporter
     must read 0 running then (docs/metrics.md)."""

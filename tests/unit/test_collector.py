@@ -131,12 +131,19 @@ def test_stale_manifest_is_excluded() -> None:
     assert snap.gpus[0].projected_peak == snap.gpus[0].memory.used + 2 * 256 * QWEN_ROW + 256 * 720_896
 
 
-def test_omni_stage_capped_by_pipeline() -> None:
-    model = ReferenceModel("/tmp/tinyq", MIMO_AUDIO.declarations)
-    data = (Path(__file__).parent.parent / "fixtures" / "vllm-omni-0.30-metrics.txt").read_bytes()
-    result = PageResult("http://omni/metrics", scan_page(data), None, 0.0)
+def omni_estimate_rows(page_file: Path, model_name: str) -> int:
+    model = ReferenceModel(model_name, MIMO_AUDIO.declarations)
+    result = PageResult("http://omni/metrics", scan_page(page_file.read_bytes()), None, 0.0)
     snap = snapshot([reference_manifest(model, max_num_seqs=64)], [result])
-    assert by_cache(snap, "local_transformer_cache").estimate_rows == 1  # not the stale per-stage 8
+    return by_cache(snap, "local_transformer_cache").estimate_rows
+
+
+def test_omni_stage_count_under_load_and_zero_once_the_pipeline_is_idle() -> None:
+    tests = Path(__file__).parent.parent
+    # Recorded with 8 in flight: the stage says 8, the lagging pipeline gauge 1 (busy, so the stage count stands).
+    assert omni_estimate_rows(tests / "fixtures" / "vllm-omni-0.30-metrics.txt", "/tmp/tinyq") == 8
+    # Recorded after the load: the stage stayed at a stale 8, the pipeline went back to 0.
+    assert omni_estimate_rows(tests / "omni" / "pages" / "vllm-omni-0.30-metrics-after-load.txt", "/tmp/tinyq") == 0
 
 
 def test_first_page_wins_a_duplicate_engine() -> None:
@@ -291,8 +298,21 @@ def test_every_family_is_documented_and_in_the_contract() -> None:
     docs = (Path(__file__).resolve().parent.parent.parent / "docs").resolve()
     snap = snapshot([reference_manifest(QWEN3_TTS)], [page("Qwen3-TTS", 1)])
     names = {f.name + ("_total" if f.type == "counter" else "") for f in families(snap)}
-    assert len(names) == 24
+    assert len(names) == 25
     for doc in ("metrics.md", "CONTRACTS.md"):
         text = (docs / doc).read_text()
         missing = {n for n in names if f"`{n}" not in text}
         assert not missing, (doc, missing)
+
+
+def test_series_cap_leaves_series_out_but_not_the_projection() -> None:
+    manifests = [reference_manifest(QWEN3_TTS, max_num_seqs=256), reference_manifest(MINICPM_O)]
+    entries = entries_for(*manifests)
+    gpu = GpuResult(True, "simulated", (gpu0(),))
+    pages = [page("Qwen3-TTS", 17), page("MiniCPM-o", 0)]
+    full = build_snapshot(entries, pages, gpu)
+    capped = build_snapshot(entries, pages, gpu, max_series=5 * len(QWEN3_TTS.declarations) + 4)
+    assert len(capped.series_dropped) == 1
+    assert len(capped.declarations) < len(full.declarations)
+    assert capped.gpus[0].projected_peak == full.gpus[0].projected_peak
+    assert capped.gpus[0].safe_max_num_seqs == full.gpus[0].safe_max_num_seqs

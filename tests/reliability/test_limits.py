@@ -1,0 +1,117 @@
+"""The caps that keep one runaway declarer from blowing up the sidecar or Prometheus: each is a flag of the real
+sidecar process, each is counted when hit, and everything under the cap is still exported."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from kv_exporter.cli import build_parser
+from kv_exporter.collector import SERIES_PER_DECLARATION, SERIES_PER_ENGINE, declaration_families, engine_families
+from kv_exporter.manifest import Manifest, write_manifest
+from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
+from tests.reliability.sidecar import SIMULATED_GPU, live_manifest, sidecar, switchable_engine
+from tests.unit.test_server import Samples, pick
+
+
+def models(s: Samples) -> set[str]:
+    return {dict(ls)["model_name"] for n, ls in s if n == "model_local_kv_ceiling_bytes"}
+
+
+def states(s: Samples) -> tuple[float, ...]:
+    return tuple(pick(s, "model_local_kv_manifests", state=x) for x in ("live", "stale", "invalid"))
+
+
+def test_manifest_size_cap(tmp_path: Path) -> None:
+    small, big = live_manifest(MINICPM_O), live_manifest(QWEN3_TTS)
+    sizes = len(small.to_json().encode()), len(big.to_json().encode())
+    limit = sum(sizes) // 2
+    assert sizes[0] < limit < sizes[1]
+    write_manifest(tmp_path / "m", small)
+    write_manifest(tmp_path / "m", big)
+    args = ("--manifest-dir", str(tmp_path / "m"), "--manifest-max-bytes", str(limit), *SIMULATED_GPU)
+    with sidecar(tmp_path, *args) as sc:
+        for _ in range(3):
+            s = sc.samples()
+            assert states(s) == (1, 0, 1)
+            assert pick(s, "model_local_kv_manifest_errors_total", reason="too_large") == 1  # once per file version
+            assert models(s) == {MINICPM_O.model_name}
+        assert sc.stop() == 0
+    assert sc.log().count("too_large") == 1
+
+
+def test_declarations_per_manifest_cap(tmp_path: Path) -> None:
+    assert (len(MIMO_AUDIO.declarations), len(QWEN3_TTS.declarations)) == (2, 3)
+    write_manifest(tmp_path / "m", live_manifest(MIMO_AUDIO))
+    write_manifest(tmp_path / "m", live_manifest(QWEN3_TTS))
+    args = ("--manifest-dir", str(tmp_path / "m"), "--manifest-max-declarations", "2", *SIMULATED_GPU)
+    with sidecar(tmp_path, *args) as sc:
+        s = sc.samples()
+        assert states(s) == (1, 0, 1)
+        assert pick(s, "model_local_kv_manifest_errors_total", reason="too_many_declarations") == 1
+        assert models(s) == {MIMO_AUDIO.model_name}
+        assert sc.stop() == 0
+
+
+def test_engine_page_size_cap(tmp_path: Path) -> None:
+    write_manifest(tmp_path / "m", live_manifest())
+    with switchable_engine() as engine:
+        assert len(engine.page) > 16 << 10  # the recorded real vLLM page, ~50 KB
+        args = ("--manifest-dir", str(tmp_path / "m"), "--engine-url", engine.url, "--engine-max-bytes", "16KiB")
+        with sidecar(tmp_path, *args) as sc:
+            for count in (1, 2):
+                s = sc.samples()
+                assert (
+                    pick(s, "model_local_kv_engine_page_errors_total", target=engine.url, reason="too_large") == count
+                )
+                assert pick(s, "model_local_kv_engine_page_up", target=engine.url) == 0
+            assert sc.stop() == 0
+
+
+def engine_named(name: str, written_at: float) -> Manifest:
+    manifest = live_manifest(ReferenceModel(name, MINICPM_O.declarations))
+    return dataclasses.replace(manifest, written_at=written_at)
+
+
+def test_total_series_cap_drops_the_newest_manifests_whole(tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    oldest, middle, newest = (engine_named(n, 1_764_480_000.0 + i) for i, n in enumerate(("a-old", "b-mid", "c-new")))
+    # Written in another order than their ages: `written_at` decides, not the files' mtimes.
+    paths = {m.engine.model_name: write_manifest(folder, m) for m in (newest, middle, oldest)}
+    per_manifest = SERIES_PER_DECLARATION * len(MINICPM_O.declarations) + SERIES_PER_ENGINE
+    cap = 2 * per_manifest + 1
+    with sidecar(tmp_path, "--manifest-dir", str(folder), "--max-series", str(cap), *SIMULATED_GPU) as sc:
+        for _ in range(3):
+            s = sc.samples()
+            assert pick(s, "model_local_kv_series_limit_dropped_manifests") == 1
+            assert models(s) == {"a-old", "b-mid"}
+            assert not any(dict(ls).get("model_name") == "c-new" for _, ls in s)  # no series of it at all
+            assert states(s) == (3, 0, 0)  # left out, but still a live manifest
+        status, _, body = sc.get("/")
+        assert status == 200 and b"left out of the metrics: over --max-series" in body
+        paths["a-old"].unlink()  # room again
+        s = sc.samples()
+        assert pick(s, "model_local_kv_series_limit_dropped_manifests") == 0
+        assert models(s) == {"b-mid", "c-new"}
+        assert sc.stop() == 0
+    log = sc.log()
+    assert log.count("series cap (--max-series") == 1, log  # once when it starts, not per scrape
+    assert log.count("series cap no longer reached") == 1, log
+
+
+def test_the_series_accounting_matches_the_families() -> None:
+    """SERIES_PER_* are what one declaration and one engine add to the page."""
+    assert len(declaration_families([])) == SERIES_PER_DECLARATION
+    assert len(engine_families([], [])) - 1 == SERIES_PER_ENGINE  # all but engine_page_up, which is per page
+
+
+@pytest.mark.parametrize(
+    "flag", ["--max-series=0", "--manifest-max-declarations=0", "--manifest-max-bytes=0", "--max-series=x"]
+)
+def test_a_cap_below_one_is_refused(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", flag])
+    assert info.value.code == 2
+    assert flag.split("=")[0] in capsys.readouterr().err

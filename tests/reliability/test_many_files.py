@@ -1,0 +1,84 @@
+"""A manifest folder filled with 10,000 files, against the real sidecar process: every scrape answers 200 in
+bounded time, each file is parsed (and each bad one counted) once, and the series cap keeps the page bounded."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from kv_exporter.collector import DEFAULT_MAX_SERIES, manifest_series
+from kv_exporter.manifest import manifest_filename, write_manifest
+from kv_exporter.reference import MINICPM_O
+from tests.reliability.sidecar import SIMULATED_GPU, Sidecar, live_manifest, sidecar
+from tests.unit.test_server import Samples, pick
+
+FILES = 10_000
+FIRST_SCRAPE_S = 30.0  # parses every file once: measured ~4 s here; a generous bound for a busy machine
+LATER_SCRAPE_S = 10.0  # Prometheus' default scrape timeout; stats + /proc checks + 50,000 series: measured ~2-4 s
+
+
+def states(s: Samples) -> tuple[float, ...]:
+    return tuple(pick(s, "model_local_kv_manifests", state=x) for x in ("live", "stale", "invalid"))
+
+
+def timed(sc: Sidecar) -> tuple[Samples, float]:
+    started = time.monotonic()
+    samples = sc.samples()
+    return samples, time.monotonic() - started
+
+
+def write_engines(folder: Path, count: int) -> int:
+    """`count` valid manifests of distinct engines (this process, alive); returns the series each one costs."""
+    template = live_manifest(MINICPM_O)
+    text = template.to_json()
+    quoted = f'"model_name": "{MINICPM_O.model_name}"'
+    assert text.count(quoted) == 1
+    folder.mkdir()
+    for i in range(count):
+        name = f"engine-{i:05d}"
+        path = folder / manifest_filename(dataclasses.replace(template.engine, model_name=name))
+        path.write_text(text.replace(quoted, f'"model_name": "{name}"'))  # no fsync: test data, not the hook
+    return manifest_series(template)
+
+
+def test_ten_thousand_valid_manifests(tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    cost = write_engines(folder, FILES)
+    kept = DEFAULT_MAX_SERIES // cost
+    assert kept < FILES  # the default cap is reached: ~50,000 series, not ~90,000
+    with sidecar(tmp_path, "--manifest-dir", str(folder), *SIMULATED_GPU) as sc:
+        s, first = timed(sc)
+        assert first < FIRST_SCRAPE_S, first
+        for _ in range(2):
+            s, later = timed(sc)
+            assert later < LATER_SCRAPE_S, later
+            assert states(s) == (FILES, 0, 0)
+            assert pick(s, "model_local_kv_series_limit_dropped_manifests") == FILES - kept
+            assert sum(1 for n, _ in s if n == "model_local_kv_ceiling_bytes") == kept
+            page_series = sum(1 for n, _ in s if n.startswith("model_local_kv_"))
+            assert page_series < DEFAULT_MAX_SERIES + 100, page_series  # + the per-GPU and exporter series
+        rss_mib = sc.rss_kib() / 1024
+        assert sc.stop() == 0
+    print(f"\n10,000 manifests: first scrape {first:.1f} s, later {later:.1f} s, sidecar RSS {rss_mib:.0f} MiB")
+
+
+def test_ten_thousand_bad_and_stray_files(tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    manifest = live_manifest()
+    write_manifest(folder, manifest)
+    for i in range(FILES // 2):
+        (folder / f"broken-{i:05d}.json").write_text('{"schema_version": 1, ')
+        (folder / f"stray-{i:05d}.txt").write_text("not a manifest name: never read\n")
+    with sidecar(tmp_path, "--manifest-dir", str(folder), *SIMULATED_GPU) as sc:
+        s, first = timed(sc)
+        assert first < FIRST_SCRAPE_S, first
+        for _ in range(2):
+            s, later = timed(sc)
+            assert later < LATER_SCRAPE_S, later
+            assert states(s) == (1, 0, FILES // 2)
+            assert pick(s, "model_local_kv_manifest_errors_total", reason="invalid_json") == FILES // 2  # once each
+            assert pick(s, "model_local_kv_max_num_seqs", model_name=manifest.engine.model_name) == 256
+        assert sc.stop() == 0
+    assert sc.log().count("invalid manifest") == FILES // 2  # one line per bad file, not per scrape
+    print(f"\n5,000 bad + 5,000 stray files: first scrape {first:.2f} s, later {later:.2f} s")

@@ -1,0 +1,49 @@
+"""`model_local_kv_web_config_last_reload_successful` from the real sidecar process: 1 with a good web config, 0
+while a broken edit is refused (the last good config still serves), 1 again once fixed; absent without the flag."""
+
+from __future__ import annotations
+
+import base64
+import time
+from pathlib import Path
+
+import bcrypt
+
+from kv_exporter.webconfig import RELOAD_CHECK_INTERVAL_S, RELOAD_METRIC
+from tests.reliability.sidecar import REPO, Sidecar, sidecar
+from tests.unit.test_server import absent, pick
+
+AUTH = {"Authorization": "Basic " + base64.b64encode(b"prom:s3cret").decode()}
+
+
+def reload_ok(sc: Sidecar) -> float:
+    time.sleep(RELOAD_CHECK_INTERVAL_S + 0.2)  # the file is checked at most once per interval
+    return pick(sc.samples(AUTH), RELOAD_METRIC)
+
+
+def test_reload_metric_follows_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "web.yml"
+    good = f"basic_auth_users:\n  prom: {bcrypt.hashpw(b's3cret', bcrypt.gensalt(rounds=4)).decode()}\n"
+    config.write_text(good)
+    args = ("--manifest-dir", str(tmp_path), "--no-nvml", f"--web.config.file={config}")
+    with sidecar(tmp_path, *args) as sc:
+        assert sc.get()[0] == 401
+        assert pick(sc.samples(AUTH), RELOAD_METRIC) == 1
+        config.write_text(good + "no_such_key: 1\n")
+        assert reload_ok(sc) == 0  # refused, and the password of the last good config still works
+        config.unlink()
+        assert reload_ok(sc) == 0
+        config.write_text(good)
+        assert reload_ok(sc) == 1
+        assert sc.stop() == 0
+
+
+def test_no_reload_metric_without_a_web_config(tmp_path: Path) -> None:
+    with sidecar(tmp_path, "--manifest-dir", str(tmp_path), "--no-nvml") as sc:
+        assert absent(sc.samples(), RELOAD_METRIC)
+        assert sc.stop() == 0
+
+
+def test_the_reload_metric_is_documented() -> None:
+    for doc in ("metrics.md", "CONTRACTS.md"):
+        assert f"`{RELOAD_METRIC}`" in (REPO / "docs" / doc).read_text(), doc

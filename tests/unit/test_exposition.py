@@ -1,0 +1,154 @@
+"""The server's fast exposition prints exactly what prometheus_client's encoders print, or declines."""
+
+from __future__ import annotations
+
+import gzip
+import math
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+
+from kv_exporter.collector import Collection, GaugeRows, Settings
+from kv_exporter.engine_page import EngineTarget
+from kv_exporter.manifest import write_manifest
+from kv_exporter.reference import QWEN3_TTS
+from kv_exporter.server import ExporterApp, Exposition, _Fixed
+from tests.unit.fake_engine import fake_engine, vllm_page_with
+from tests.unit.manifests import reference_manifest
+
+ACCEPTS = (
+    "",
+    "text/plain;version=0.0.4",
+    "text/plain;version=1.0.0;escaping=allow-utf-8",
+    "application/openmetrics-text;version=1.0.0",
+    "application/openmetrics-text",
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8",
+    # What Prometheus 2.42 sends.
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+)
+
+label_names = st.sampled_from(["model_name", "UUID", "gpu", "cache", "a", "_x", "owner"])
+label_values = st.text(alphabet=st.sampled_from(["a", "Z", "0", " ", '"', "\\", "\n", "é", "{", "}", ","]), max_size=8)
+values = st.one_of(
+    st.integers(min_value=0, max_value=2**53),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0, 0.0, -0.0, 1, 1.0, 4653056, 147456000, 1e-9]),
+)
+docs = st.text(alphabet=st.sampled_from(["d", " ", '"', "\\", "\n", "é"]), max_size=12)
+
+
+@st.composite
+def families(draw: st.DrawFn) -> list[Metric]:
+    result: list[Metric] = []
+    for i in range(draw(st.integers(1, 4))):
+        names = draw(st.lists(label_names, unique=True, max_size=4))
+        kind = draw(st.sampled_from([GaugeMetricFamily, CounterMetricFamily, GaugeRows]))
+        family = kind(f"family_{i}", draw(docs), labels=names)
+        for labels in draw(st.lists(st.tuples(*[label_values for _ in names]), unique=True, max_size=5)):
+            family.add_metric(list(labels), draw(values))
+        result.append(family)
+    return result
+
+
+def expected(metrics: list[Metric], accept: str) -> tuple[bytes, str]:
+    encoder, content_type = choose_encoder(accept)
+    return encoder(_Fixed(metrics)), content_type
+
+
+@settings(max_examples=300, deadline=None)
+@given(families(), families(), st.sampled_from(ACCEPTS))
+def test_same_bytes_as_prometheus_client_also_from_the_cache(
+    first: list[Metric], second: list[Metric], accept: str
+) -> None:
+    exposition = Exposition()
+    for metrics in (first, first, second, first):  # cold, warm, changed, and back
+        want, content_type = expected(metrics, accept)
+        assert exposition.render(metrics, content_type) == want
+
+
+def test_a_real_page_is_reproduced() -> None:
+    gauge = GaugeRows("model_local_kv_ceiling_bytes", 'Bytes "at" max\\rows', labels=["UUID", "cache"])
+    gauge.add_metric(["GPU-1", 'a"b\\c\nd'], 4653056 * 256)
+    gauge.add_metric(["GPU-2", ""], 0)
+    counter = CounterMetricFamily("model_local_kv_manifest_errors", "Invalid.", labels=["reason"])
+    counter.add_metric(["too_large"], 3)
+    bare = GaugeMetricFamily("model_local_kv_nvml_up", "1 if up.", value=1)
+    for accept in ACCEPTS:
+        want, content_type = expected([gauge, counter, bare], accept)
+        assert Exposition().render([gauge, counter, bare], content_type) == want
+
+
+def test_declines_what_it_does_not_cover() -> None:
+    gauge = GaugeMetricFamily("g", "doc", labels=["a"])
+    gauge.add_metric(["x"], 1)
+    histogram = HistogramMetricFamily("h", "doc", buckets=[("1.0", 1), ("+Inf", 2)], sum_value=3)
+    with_unit = GaugeMetricFamily("u_seconds", "doc", value=1, unit="seconds")
+    odd_label = GaugeMetricFamily("o", "doc", labels=["dotted.name"])
+    odd_label.add_metric(["x"], 1)
+    duplicate = GaugeRows("d", "doc", labels=["a", "a"])
+    duplicate.add_metric(["x", "y"], 1)
+    stamped = GaugeMetricFamily("t", "doc", labels=["a"])
+    stamped.add_metric(["x"], 1, timestamp=5)
+    _, plain = choose_encoder("")
+    for family in (histogram, with_unit, odd_label, duplicate, stamped):
+        assert Exposition().render([gauge, family], plain) is None
+    _, dots = choose_encoder("text/plain;version=1.0.0;escaping=dots")
+    assert Exposition().render([gauge], dots) is None
+    assert Exposition().render([gauge], plain) == expected([gauge], "")[0]
+
+
+def test_nan_and_negative_zero_keep_their_spelling() -> None:
+    gauge = GaugeMetricFamily("g", "doc", labels=["a"])
+    for i, value in enumerate((0.0, -0.0, math.nan, 0, -0.0)):
+        gauge.add_metric([str(i)], value)
+    _, plain = choose_encoder("")
+    exposition = Exposition()
+    assert exposition.render([gauge], plain) == exposition.render([gauge], plain) == expected([gauge], "")[0]
+
+
+def test_rows_family_samples_are_prometheus_client_samples() -> None:
+    rows = GaugeRows("r", "doc", labels=["b", "a"])
+    plain = GaugeMetricFamily("r", "doc", labels=["b", "a"])
+    for family in (rows, plain):
+        family.add_metric(["1", "2"], 3)
+        family.add_metric(["4", "5"], 6.5)
+    assert rows.samples == plain.samples
+    assert rows == plain
+
+
+def test_concurrent_scrapes_share_one_rendering(tmp_path: Path) -> None:
+    write_manifest(tmp_path, reference_manifest(QWEN3_TTS))
+    with fake_engine(vllm_page_with(2, "Qwen3-TTS"), delay_s=0.5) as engine:
+        settings = Settings(str(tmp_path), (EngineTarget.parse(engine.url),), fetch_timeout_s=3)
+        app = ExporterApp(Collection(settings, None))
+        rendered: list[str] = []
+        render = app.exposition.render
+
+        def counting(metrics: Iterable[Metric], content_type: str) -> bytes | None:
+            rendered.append(content_type)
+            return render(metrics, content_type)
+
+        app.exposition.render = counting  # type: ignore[method-assign]
+        start = threading.Barrier(6)
+        bodies: list[bytes] = []
+
+        def scrape() -> None:
+            start.wait()
+            bodies.append(app.metrics(None, "gzip")[0])
+
+        threads = [threading.Thread(target=scrape) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert len(bodies) == 6 and len(set(bodies)) == 1
+        assert len(rendered) == 1 and engine.behaviour.requests == 1
+        plain = app.metrics(None, None)[0]  # another format (no gzip): its own rendering
+        assert len(rendered) == 2 and gzip.decompress(bodies[0]).split(b"\n")[:2] == plain.split(b"\n")[:2]
+        app.collection.close()
