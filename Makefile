@@ -35,7 +35,7 @@ fuzz-env:
 test: $(STAMP) system-deps engine-env omni-env fuzz-env lint
 	$(PY) -m pytest tests
 
-bench: $(STAMP) engine-env
+bench: $(STAMP)
 	$(PY) bench/run_all.py
 
 fuzz: $(STAMP)

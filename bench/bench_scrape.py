@@ -1,0 +1,108 @@
+"""Target 1, scrape latency: 8 GPUs x 3 stages x 6 declarations, 3 engines serving the real vLLM page.
+
+.venv/bin/python bench/bench_scrape.py [--scrapes N] [--json-out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from baseline_server import equivalent_spec, series_count, start_baseline
+from benchlib import (
+    Children,
+    Report,
+    Scraper,
+    Subject,
+    children,
+    cpu_seconds,
+    idle_gaps,
+    interleaved,
+    summarize,
+)
+from deployment import SCRAPE_LAYOUT, source_at, start_deployment, start_sidecar, text_page
+
+OURS, BASELINE = "kv-exporter", "baseline (plain gauges)"
+MEDIAN_MS = 5.0
+IDLE_GAP_S = 1.0
+P99_MS = 20.0
+
+METHOD = f"""
+The sidecar (`kv-exporter serve`, NVML simulated as 8 GPUs) reads {SCRAPE_LAYOUT.workers} manifests
+({SCRAPE_LAYOUT.declarations} declarations: 8 GPUs x 3 stages x 6) and 3 engine pages, each the recorded
+vLLM 0.32 page (599 lines) served by a separate engine process, its running count changing on every request.
+The client, in this process, scrapes over HTTP with Prometheus 2.42's headers (OpenMetrics, gzip) on a
+keep-alive connection, timing request to last body byte. Baseline, same run, same client: prometheus_client's
+start_http_server in its own process serving plain Gauges holding exactly the same series.
+Runs alternate in blocks of 100 scrapes, the first of each block not counted (a wake-up after idling, shown
+apart: "first scrape after 1 s idle"); 50 warm-up scrapes each are not counted. CPU: each server process's
+user + system time over its counted scrapes (less noisy than wall time on a shared machine).
+With --compare-with REF, the sidecar as of that commit runs too, on the same manifests and engines.
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--scrapes", type=int, default=2000)
+    parser.add_argument("--compare-with", metavar="GITREF", help="also time the sidecar as of this commit")
+    parser.add_argument("--idle-scrapes", type=int, default=10, help=f"scrapes after {IDLE_GAP_S:g} s idle, each")
+    parser.add_argument("--json-out")
+    args = parser.parse_args()
+    report = Report("Target 1: scrape latency (8 GPUs x 3 stages x 6 declarations, 3 engines)", METHOD)
+    report.start()
+    with tempfile.TemporaryDirectory() as tmp, children() as kids:
+        subjects, engines_cpu = measure(kids, Path(tmp), args.scrapes, args.compare_with, args.idle_scrapes, report)
+    stats = {name: summarize(subject.samples) for name, subject in subjects.items()}
+    for name, subject in subjects.items():
+        report.stats(f"{name} scrape", stats[name])
+        report.note(f"{name}: CPU ms per scrape", f"{subject.cpu_s * 1000 / len(subject.samples):.2f}")
+    sidecar_scrapes = sum(len(s.samples) for name, s in subjects.items() if name != BASELINE)
+    report.note("the 3 engines: CPU ms per sidecar scrape", f"{engines_cpu * 1000 / sidecar_scrapes:.2f}")
+    ours = stats[OURS]
+    for other in (name for name in subjects if name != OURS):
+        report.ratio(f"median ({OURS} / {other})", ours.median, stats[other].median)
+        report.ratio(f"p99 ({OURS} / {other})", ours.p99, stats[other].p99)
+        report.ratio(f"CPU ({OURS} / {other})", subjects[OURS].cpu_s, subjects[other].cpu_s)
+    report.check(f"median <= {MEDIAN_MS:g} ms", f"{ours.median:.2f} ms", ours.median <= MEDIAN_MS)
+    report.check(f"p99 <= {P99_MS:g} ms", f"{ours.p99:.2f} ms", ours.p99 <= P99_MS)
+    report.finish(args.json_out)
+    return 0
+
+
+def measure(
+    kids: Children, tmp: Path, scrapes: int, compare_with: str | None, idle_scrapes: int, report: Report
+) -> tuple[dict[str, Subject], float]:
+    """Scrape every subject `scrapes` times (after 50 uncounted); returns them and the engines' CPU seconds."""
+    running = start_deployment(kids, SCRAPE_LAYOUT, tmp)
+    spec = equivalent_spec(text_page(running.port))
+    report.note("series on the page", series_count(spec))
+    baseline_pid, baseline_port = start_baseline(kids, spec, tmp)
+    subjects = {
+        OURS: Subject(running.sidecar.pid, Scraper("127.0.0.1", running.port)),
+        BASELINE: Subject(baseline_pid, Scraper("127.0.0.1", baseline_port)),
+    }
+    if compare_with:
+        source = source_at(compare_with, tmp)
+        sidecar, port, _ = start_sidecar(
+            kids, SCRAPE_LAYOUT, tmp, running.engines.pid, running.engine_ports, source=source
+        )
+        subjects[f"kv-exporter at {compare_with}"] = Subject(sidecar.pid, Scraper("127.0.0.1", port))
+    interleaved(subjects, 50)  # warm-up, not counted
+    for subject in subjects.values():
+        subject.samples.clear()
+        subject.cpu_s = 0.0
+    engines_cpu = cpu_seconds(running.engines.pid)
+    interleaved(subjects, scrapes)
+    engines_cpu = cpu_seconds(running.engines.pid) - engines_cpu
+    if idle_scrapes:
+        for name, samples in idle_gaps(subjects, IDLE_GAP_S, idle_scrapes).items():
+            report.stats(f"{name}: first scrape after {IDLE_GAP_S:g} s idle", summarize(samples))
+    for subject in subjects.values():
+        subject.scraper.close()
+    return subjects, engines_cpu
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""The deployment the benchmarks scrape: manifests written by the real writer, engine pages built from the
+recorded real vLLM 0.32 page, and the `Layout` that ties them together.
+
+A layout is `gpus` GPUs x `stages` stages, one worker per (stage, GPU) (tensor parallel across the GPUs), each
+worker declaring `per_worker` caches; each stage is one engine serving one metrics page. The running count on a
+stage's page is the vllm-omni per-stage series (`vllm:num_requests_running{model_name,replica,stage}`) put in
+place of the recorded vLLM series; every other line of the ~600-line page is as recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchlib import (  # importing benchlib puts the checkout on sys.path
+    BENCH,
+    PYTHON,
+    Children,
+    free_port,
+    gpu_uuid,
+    read_json_line,
+    wait_until_serving,
+)
+
+from kv_exporter.engine_page import STAGE_METRIC
+from kv_exporter.manifest import (
+    Declaration,
+    DeviceInfo,
+    EngineIdentity,
+    Manifest,
+    Phase,
+    ProcessInfo,
+    current_pid_namespace,
+    process_start_ticks,
+    write_manifest,
+)
+from kv_exporter.reference import REFERENCE_MODELS
+from tests.unit.fake_engine import vllm_page_with
+
+MODEL = "bench-omni"
+MAX_NUM_SEQS = 64
+GIB = 1 << 30
+GPU_TOTAL = 80 * GIB
+GPU_USED = 60 * GIB
+
+# Every reference declaration (7 specs over 4 models), cycled to make up a worker's caches.
+REFERENCE_DECLARATIONS = tuple(
+    Declaration.from_spec(owner, spec) for model in REFERENCE_MODELS for owner, spec in model.declarations
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """`workers` workers (one manifest each) dealt round-robin over the stages, then over the GPUs."""
+
+    workers: int
+    per_worker: int
+    stages: int = 3
+    gpus: int = 8
+
+    @property
+    def declarations(self) -> int:
+        return self.workers * self.per_worker
+
+    def place(self, worker: int) -> tuple[int, int, int]:
+        """(stage, tensor-parallel rank, GPU) of a worker."""
+        stage, rank = worker % self.stages, worker // self.stages
+        return stage, rank, rank % self.gpus
+
+    @property
+    def gpus_used(self) -> int:
+        return len({self.place(worker)[2] for worker in range(self.workers)})
+
+
+# Target 1: 8 GPUs x 3 stages x 6 declarations (144), one worker per (stage, GPU), three engine pages.
+SCRAPE_LAYOUT = Layout(workers=24, per_worker=6)
+
+
+def scaling_layout(declarations: int, per_worker: int = 10) -> Layout:
+    """`declarations` caches, `per_worker` a worker (fewer if that is all there are)."""
+    per_worker = min(per_worker, declarations)
+    if declarations % per_worker:
+        raise ValueError(f"{declarations} is not a multiple of {per_worker}")
+    return Layout(workers=declarations // per_worker, per_worker=per_worker)
+
+
+def worker_declarations(rank: int, gpus: int, count: int) -> tuple[Declaration, ...]:
+    """`count` caches: the reference declarations in turn. Tensor-parallel ranks on different GPUs share owner
+    paths, as in a real model; ranks sharing a GPU and repeats within a worker get unique ones."""
+    result = []
+    for i in range(count):
+        base = REFERENCE_DECLARATIONS[i % len(REFERENCE_DECLARATIONS)]
+        cycle = i // len(REFERENCE_DECLARATIONS)
+        shared = cycle == 0 and rank < gpus
+        owner = base.owner if shared else f"blocks.{rank}.{cycle}.{base.owner}"
+        result.append(dataclasses.replace(base, owner=owner))
+    return tuple(result)
+
+
+def write_deployment(folder: Path, layout: Layout, pid: int) -> int:
+    """One manifest per worker, all owned by the live process `pid` (so the liveness check passes on /proc).
+
+    Returns the number of declarations written.
+    """
+    process = ProcessInfo(
+        pid=pid, start_time_ticks=process_start_ticks(pid), pid_namespace=current_pid_namespace(), hostname="bench"
+    )
+    written = 0
+    for worker in range(layout.workers):
+        stage, rank, gpu = layout.place(worker)
+        manifest = Manifest(
+            engine=EngineIdentity(model_name=MODEL, stage=stage, engine_index=0, tp_rank=rank),
+            process=process,
+            device=DeviceInfo(kind="cuda", index=gpu, uuid=gpu_uuid(gpu)),
+            max_num_seqs=MAX_NUM_SEQS,
+            phase=Phase.WARMUP,
+            collector="kv_exporter",
+            declarations=worker_declarations(rank, layout.gpus, layout.per_worker),
+            written_at=1_764_480_000.0,
+        )
+        write_manifest(folder, manifest)
+        written += layout.per_worker
+    return written
+
+
+def stage_page(stage: int, running: int) -> bytes:
+    """The recorded vLLM 0.32 page for `MODEL`, its running series relabelled as vllm-omni's stage `stage`."""
+    page = vllm_page_with(running, MODEL)
+    old = f'{STAGE_METRIC.decode()}{{engine="0",model_name="{MODEL}"}} {running}.0'.encode()
+    new = f'{STAGE_METRIC.decode()}{{model_name="{MODEL}",replica="0",stage="{stage}"}} {running}.0'.encode()
+    if page.count(old) != 1:
+        raise RuntimeError("the recorded page changed: update bench/deployment.py")
+    return page.replace(old, new)
+
+
+# -- running it --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Running:
+    """A started deployment: the engines' process, the sidecar's process and port, its manifest folder."""
+
+    engines: subprocess.Popen[bytes]
+    engine_ports: tuple[int, ...]
+    sidecar: subprocess.Popen[bytes]
+    port: int
+    folder: Path
+
+
+def start_engines(kids: Children, stages: int) -> tuple[subprocess.Popen[bytes], tuple[int, ...]]:
+    proc = kids.start([PYTHON, str(BENCH / "engines.py"), "--stages", str(stages)], stdout=subprocess.PIPE)
+    ready = read_json_line(proc)
+    return proc, tuple(ready["ports"])
+
+
+def sidecar_argv(
+    folder: Path, engine_ports: Sequence[int], port: int, gpus: int, engine_pid: int, extra: Sequence[str] = ()
+) -> list[str]:
+    argv = [PYTHON, str(BENCH / "sidecar.py"), "--gpus", str(gpus), "--engine-pid", str(engine_pid), "--"]
+    argv += ["serve", "--manifest-dir", str(folder), "--simulate-gpu", f"{GPU_TOTAL}:{GPU_USED}"]
+    for engine_port in engine_ports:
+        argv += ["--engine-url", f"http://127.0.0.1:{engine_port}/metrics"]
+    return [*argv, "--listen-address", f"127.0.0.1:{port}", "--log-level", "warning", *extra]
+
+
+def start_deployment(kids: Children, layout: Layout, folder: Path, extra: Sequence[str] = ()) -> Running:
+    """Engines, manifests, and the sidecar serving them (`extra`: more `serve` options); checked to export what
+    the layout declares."""
+    engines, engine_ports = start_engines(kids, layout.stages)
+    write_deployment(folder / "manifests", layout, engines.pid)
+    running = Running(engines, engine_ports, *start_sidecar(kids, layout, folder, engines.pid, engine_ports, extra))
+    verify(running, layout)
+    return running
+
+
+def start_sidecar(
+    kids: Children,
+    layout: Layout,
+    folder: Path,
+    engine_pid: int,
+    engine_ports: Sequence[int],
+    extra: Sequence[str] = (),
+    source: Path | None = None,
+) -> tuple[subprocess.Popen[bytes], int, Path]:
+    """A sidecar on `folder`/manifests (from `source`, another copy of the package, if given); (process, port,
+    folder) once it answers. Its log goes to `folder`/sidecar-PORT.log."""
+    port = free_port()
+    env = {**os.environ, "KVX_BENCH_SOURCE": str(source)} if source else None
+    with (folder / f"sidecar-{port}.log").open("wb") as log:
+        argv = sidecar_argv(folder / "manifests", engine_ports, port, layout.gpus, engine_pid, extra)
+        sidecar = kids.start(argv, stderr=log, env=env)
+    wait_until_serving("127.0.0.1", port, timeout_s=300)
+    return sidecar, port, folder
+
+
+def source_at(ref: str, folder: Path) -> Path:
+    """The package as it was at git `ref`, unpacked under `folder` (read-only git: `git archive`)."""
+    target = folder / f"source-{ref.replace('/', '_')}"
+    target.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(BENCH.parent), "archive", ref, "kv_exporter"], capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
+    return target
+
+
+def pages_served(running: Running) -> int:
+    """Engine pages served so far, all engines together: each collection fetches every page once."""
+    total = 0
+    for port in running.engine_ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/served", timeout=10) as response:
+            total += int(response.read())
+    return total
+
+
+def text_page(port: int) -> str:
+    """The exporter's page in the classic text format (for parsing; the benchmarks scrape as Prometheus does)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=120) as response:
+        return response.read().decode()  # type: ignore[no-any-return]
+
+
+def verify(running: Running, layout: Layout) -> None:
+    """Refuse to time a deployment the sidecar does not see whole: every declaration, engine and GPU."""
+    text = text_page(running.port)
+    expected = {
+        "model_local_kv_bytes_per_row{": layout.declarations,
+        "model_local_kv_engine_up{": layout.stages,
+        "model_local_kv_gpu_headroom_bytes{": layout.gpus,
+        "model_local_kv_gpu_process_memory_bytes{": layout.gpus_used,
+    }
+    for prefix, count in expected.items():
+        found = sum(1 for line in text.splitlines() if line.startswith(prefix))
+        if found != count:
+            raise RuntimeError(f"sidecar exports {found} {prefix}...}} series, expected {count}; see {running.folder}")
+    down = [
+        line for line in text.splitlines() if line.startswith("model_local_kv_engine_up{") and line.endswith(" 0.0")
+    ]
+    if down:
+        raise RuntimeError(f"engines not read: {down}")

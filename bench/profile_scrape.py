@@ -1,0 +1,99 @@
+"""Where one scrape's time goes: the benchmark deployment, the exporter in this process, pyinstrument over N
+scrapes, plus a per-phase breakdown (manifests, liveness, engine pages, GPUs, snapshot, families, encoding, gzip).
+
+    .venv/bin/python bench/profile_scrape.py [--declarations N] [--scrapes N] [--html FILE]
+
+The engines run in their own process as in the benchmarks; only the exporter is in-process, so the profile
+shows its own work (the page fetches appear as the time spent waiting for them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchlib import PROMETHEUS_HEADERS, children, format_stats, summarize
+from deployment import GPU_TOTAL, GPU_USED, SCRAPE_LAYOUT, Layout, scaling_layout, start_engines, write_deployment
+from prometheus_client.exposition import choose_encoder
+from sidecar import SimulatedGpus
+
+from kv_exporter.collector import Collection, Settings, assess, build_snapshot, families, read_gpus
+from kv_exporter.engine_page import EngineTarget
+from kv_exporter.server import GZIP_LEVEL, ExporterApp, _Fixed
+
+
+def phases(collection: Collection, app: ExporterApp) -> dict[str, Callable[[], Any]]:
+    """The steps of one scrape, each callable on its own (each re-does its inputs' work only where cheap)."""
+    loaded = collection.store.load()
+    entries = assess(loaded, collection.our_namespace)
+    pages = collection.pages.read_all()
+    gpu = read_gpus(collection.gpu_reader, entries)
+    snapshot = build_snapshot(entries, pages, gpu)
+    encoder, content_type = choose_encoder(PROMETHEUS_HEADERS["Accept"])
+    metrics = families(snapshot)
+    body = app.exposition.render(metrics, content_type) or b""
+    return {
+        "manifests (list + stat)": collection.store.load,
+        "liveness (/proc)": lambda: assess(loaded, collection.our_namespace),
+        "engine pages (fetch + scan)": collection.pages.read_all,
+        "gpus": lambda: read_gpus(collection.gpu_reader, entries),
+        "snapshot": lambda: build_snapshot(entries, pages, gpu),
+        "families": lambda: families(snapshot),
+        "render (kv-exporter)": lambda: app.exposition.render(metrics, content_type),
+        "render (prometheus_client)": lambda: encoder(_Fixed(metrics)),
+        "gzip": lambda: gzip.compress(body, compresslevel=GZIP_LEVEL),
+        "whole scrape (app.metrics)": lambda: app.metrics(PROMETHEUS_HEADERS["Accept"], "gzip"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--declarations", type=int, help="a scaling layout instead of the 8x3x6 one")
+    parser.add_argument("--scrapes", type=int, default=200)
+    parser.add_argument("--html", type=Path, help="also write pyinstrument's HTML report here")
+    args = parser.parse_args()
+    layout: Layout = scaling_layout(args.declarations) if args.declarations else SCRAPE_LAYOUT
+    with tempfile.TemporaryDirectory() as tmp, children() as kids:
+        engines, ports = start_engines(kids, layout.stages)
+        folder = Path(tmp) / "manifests"
+        write_deployment(folder, layout, engines.pid)
+        targets = tuple(EngineTarget.parse(f"http://127.0.0.1:{port}/metrics") for port in ports)
+        reader = SimulatedGpus(GPU_TOTAL, GPU_USED, layout.gpus, engines.pid)
+        # The series cap raised as in bench_scaling.py, so that every declaration is on the page.
+        settings = Settings(manifest_dir=str(folder), targets=targets, max_series=20 * layout.declarations + 1000)
+        collection = Collection(settings, reader)
+        app = ExporterApp(collection)
+        print(f"{layout.declarations} declarations, {layout.workers} manifests, {len(ports)} engine pages")
+        for name, step in phases(collection, app).items():
+            samples = []
+            for _ in range(max(5, args.scrapes // 4)):
+                started = time.perf_counter()
+                step()
+                samples.append((time.perf_counter() - started) * 1000)
+            print(f"  {name:<28} {format_stats(summarize(samples))}")
+        profile(app, args.scrapes, args.html)
+        collection.close()
+    return 0
+
+
+def profile(app: ExporterApp, scrapes: int, html: Path | None) -> None:
+    from pyinstrument import Profiler
+
+    profiler = Profiler(interval=0.0005)
+    profiler.start()
+    for _ in range(scrapes):
+        app.metrics(PROMETHEUS_HEADERS["Accept"], "gzip")
+    profiler.stop()
+    print(profiler.output_text(unicode=False, color=False, show_all=False))
+    if html:
+        html.write_text(profiler.output_html())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
