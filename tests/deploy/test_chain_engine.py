@@ -108,7 +108,8 @@ def run_load(server: Server) -> None:
     """Keep the engine busy for LOAD_S: a burst of tiny-model completions ends within one scrape interval."""
 
     def send(client: int, n: int) -> object:
-        return server.completion(f"The quick brown fox {client} {n}", LOAD_TOKENS)
+        # Different lengths per client keep the requests from ending together, between two scrapes.
+        return server.completion(f"The quick brown fox {client} {n}", LOAD_TOKENS - 9 * client)
 
     with LoadGenerator(send, LOAD_CONCURRENCY) as load:
         time.sleep(LOAD_S)

@@ -11,14 +11,14 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.openai_server import OpenAIServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_VENV = ROOT / ".venv-vllm"
@@ -38,19 +38,8 @@ BASE_ENV = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def parent_pid(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
 @dataclass
-class Server:
+class Server(OpenAIServer):
     workdir: Path
     port: int
     proc: subprocess.Popen[bytes]
@@ -59,30 +48,10 @@ class Server:
     report_dir: Path
     started_at: float
     exit_code: int | None = field(default=None)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+    kind = "vLLM server"
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> float:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}:\n{self.log()[-6000:]}")
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=2) as response:
-                    if response.status == 200:
-                        return time.monotonic() - self.started_at
-            except OSError:
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"vLLM server not ready after {timeout:.0f} s:\n{self.log()[-6000:]}")
+        return super().wait_ready(timeout)
 
     def stop(self, timeout: float = 60.0) -> int | None:
         """SIGTERM the server (as Kubernetes signals PID 1 only), give its children time to finish their own
@@ -104,12 +73,7 @@ class Server:
 
     def completion(self, prompt: str, max_tokens: int = 16) -> dict[str, Any]:
         body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-        request = urllib.request.Request(
-            self.url("/v1/completions"), json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=300) as response:
-            result: dict[str, Any] = json.loads(response.read())
-            return result
+        return self.post_completion(body)
 
     def concurrent_completions(self, count: int, max_tokens: int) -> list[dict[str, Any]]:
         results: list[dict[str, Any] | BaseException] = [RuntimeError("not run")] * count
@@ -129,13 +93,6 @@ class Server:
             if isinstance(result, BaseException):
                 raise result
         return [r for r in results if isinstance(r, dict)]
-
-    def metrics_page(self) -> str:
-        with urllib.request.urlopen(self.url("/metrics"), timeout=30) as response:
-            return str(response.read().decode())
-
-    def manifests(self) -> list[Path]:
-        return sorted(self.manifest_dir.glob("*.json"))
 
     def report(self) -> dict[int, dict[str, Any]]:
         """The test plugin's reports, per pid of the process that wrote them."""

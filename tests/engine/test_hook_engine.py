@@ -24,8 +24,9 @@ import pytest
 import kv_exporter
 from kv_exporter.manifest import Manifest, manifest_filename, parse_manifest, read_manifest
 from tests.engine.conftest import ServerFactory
-from tests.engine.server import MAX_NUM_SEQS, ROOT, SERVED_NAME, Server, parent_pid
+from tests.engine.server import MAX_NUM_SEQS, ROOT, SERVED_NAME, Server
 from tests.engine.testplugin.kvx_testplugin import geometry as g
+from tests.openai_server import parent_pid
 
 FIXTURE = ROOT / "tests" / "fixtures" / "vllm-0.32-metrics.txt"
 UPDATE_FIXTURES_ENV = "KV_EXPORTER_UPDATE_FIXTURES"

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.loadgen import LoadGenerator
+from tests.openai_server import OpenAIServer, alive, free_port, stat_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 OMNI_VENV = ROOT / ".venv-omni"
@@ -50,30 +50,11 @@ BASE_ENV = {
 _LOG_PREFIX = re.compile(r"^\((?P<proc>[^ ]+) pid=(?P<pid>\d+)\) (?P<text>.*)$")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def alive(pid: int) -> bool:
-    """Running and not a zombie."""
-    fields = _stat_fields(pid)
-    return fields is not None and fields[0] != "Z"
-
-
 def descendants(root: int) -> list[int]:
     """Every live process below `root` (children, grandchildren, ...)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (fields := _stat_fields(int(entry.name))) is not None and fields[0] != "Z":
+        if entry.name.isdigit() and (fields := stat_fields(int(entry.name))) is not None and fields[0] != "Z":
             children.setdefault(int(fields[1]), []).append(int(entry.name))
     found, todo = [], [root]
     while todo:
@@ -90,13 +71,6 @@ def process_environ(pid: int) -> dict[str, str]:
 
 def process_title(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-
-
-def parent_pid(pid: int) -> int:
-    fields = _stat_fields(pid)
-    if fields is None:
-        raise ProcessLookupError(pid)
-    return int(fields[1])
 
 
 def _stop_tree(proc: subprocess.Popen[bytes], tree: Sequence[int], timeout: float) -> list[int]:
@@ -130,7 +104,7 @@ def build_model(directory: Path) -> Path:
 
 
 @dataclass
-class OmniServer:
+class OmniServer(OpenAIServer):
     model_dir: Path
     port: int
     proc: subprocess.Popen[bytes]
@@ -140,22 +114,13 @@ class OmniServer:
     started_at: float
     tree: list[int] = field(default_factory=list)  # every pid seen below the server, filled while it runs
     killed: list[int] | None = None  # set by stop(): pids that needed SIGKILL
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+    kind = "vllm-omni"
 
     @property
     def model_name(self) -> str:
         # No --served-model-name: vllm-omni's pipeline gauge is labelled with the model argument while its
         # per-stage gauges use the served name (docs/vllm-omni.md), so only the default keeps them equal.
         return str(self.model_dir)
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     def log_lines(self, pid: int) -> list[str]:
         """The text of every log line the process `pid` printed, in order."""
@@ -169,18 +134,11 @@ class OmniServer:
     def remember_tree(self) -> None:
         self.tree.extend(pid for pid in descendants(self.pid) if pid not in self.tree)
 
+    def while_waiting(self) -> None:
+        self.remember_tree()
+
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> float:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.remember_tree()
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm-omni exited with {self.proc.returncode}:\n{self.log()[-6000:]}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(self.url("/health"), timeout=2) as response:
-                if response.status == 200:
-                    self.remember_tree()
-                    return time.monotonic() - self.started_at
-            time.sleep(1.0)
-        raise TimeoutError(f"vllm-omni not ready after {timeout:.0f} s:\n{self.log()[-6000:]}")
+        return super().wait_ready(timeout)
 
     def stop(self, timeout: float = 60.0) -> list[int]:
         """Idempotent. Returns the pids that had to be SIGKILLed (empty when SIGTERM sufficed)."""
@@ -191,20 +149,9 @@ class OmniServer:
         return self.killed
 
     def completion(self, prompt: str, max_tokens: int) -> dict[str, Any]:
-        body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-        request = urllib.request.Request(
-            self.url("/v1/completions"), json.dumps(body).encode(), {"Content-Type": "application/json"}
+        return self.post_completion(
+            {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
         )
-        with urllib.request.urlopen(request, timeout=300) as response:
-            result: dict[str, Any] = json.loads(response.read())
-            return result
-
-    def metrics_page(self) -> str:
-        with urllib.request.urlopen(self.url("/metrics"), timeout=30) as response:
-            return str(response.read().decode())
-
-    def manifests(self) -> list[Path]:
-        return sorted(self.manifest_dir.glob("*.json"))
 
     def cache_reports(self) -> dict[int, dict[str, int]]:
         """What the model's cache tensors hold, per worker pid (kvx_omni_testplugin.model)."""
@@ -282,7 +229,13 @@ def start_sidecar(workdir: Path, manifest_dir: Path, engine_url: str) -> Sidecar
 
 
 def load_generator(server: OmniServer, clients: int, max_tokens: int) -> LoadGenerator:
-    return LoadGenerator(lambda client, n: server.completion(f"cache key value {client} {n}", max_tokens), clients)
+    """Clients with different lengths, so their requests do not all end in the same engine step: vllm-omni
+    snapshots its per-stage gauge about once a second, and a snapshot taken as a synchronized batch ends reads 0."""
+
+    def send(client: int, n: int) -> object:
+        return server.completion(f"cache key value {client} {n}", max_tokens + 13 * client)
+
+    return LoadGenerator(send, clients)
 
 
 def burst(server: OmniServer, count: int, max_tokens: int) -> None:

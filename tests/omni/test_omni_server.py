@@ -20,14 +20,13 @@ from tests.omni.omni_server import (
     REPLICAS,
     OmniServer,
     Sidecar,
-    alive,
     burst,
     load_generator,
-    parent_pid,
     process_environ,
     process_title,
 )
 from tests.omni.plugin_pkg.kvx_omni_testplugin import tiny_model
+from tests.openai_server import alive, parent_pid
 
 pytestmark = pytest.mark.timeout(1200)
 

@@ -1,0 +1,91 @@
+"""What the real-engine tests share about a running OpenAI-compatible server (vLLM or vllm-omni) and /proc."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """Fields 3.. of /proc/PID/stat (after the command name, which may hold spaces), or None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie."""
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def parent_pid(pid: int) -> int:
+    fields = stat_fields(pid)
+    if fields is None:
+        raise ProcessLookupError(pid)
+    return int(fields[1])
+
+
+class OpenAIServer:
+    """Client side of a server process started by a test; the concrete dataclass supplies these fields."""
+
+    port: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    manifest_dir: Path
+    started_at: float
+    kind = "server"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def while_waiting(self) -> None:
+        """Called on every poll of wait_ready (e.g. to note the process tree while it grows)."""
+
+    def wait_ready(self, timeout: float) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.while_waiting()
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.kind} exited with {self.proc.returncode}:\n{self.log()[-6000:]}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(self.url("/health"), timeout=2) as response:
+                if response.status == 200:
+                    self.while_waiting()
+                    return time.monotonic() - self.started_at
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.kind} not ready after {timeout:.0f} s:\n{self.log()[-6000:]}")
+
+    def post_completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        request = urllib.request.Request(
+            self.url("/v1/completions"), json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=300) as response:
+            result: dict[str, Any] = json.loads(response.read())
+            return result
+
+    def metrics_page(self) -> str:
+        with urllib.request.urlopen(self.url("/metrics"), timeout=30) as response:
+            return str(response.read().decode())
+
+    def manifests(self) -> list[Path]:
+        return sorted(self.manifest_dir.glob("*.json"))
