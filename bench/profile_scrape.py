@@ -23,9 +23,11 @@ from deployment import GPU_TOTAL, GPU_USED, SCRAPE_LAYOUT, Layout, scaling_layou
 from prometheus_client.exposition import choose_encoder
 from sidecar import SimulatedGpus
 
-from kv_exporter.collector import Collection, Settings, assess, build_snapshot, families, read_gpus
+from kv_exporter.collector import Collection, Settings, assess, read_gpus
 from kv_exporter.engine_page import EngineTarget
+from kv_exporter.families import families
 from kv_exporter.server import GZIP_LEVEL, ExporterApp, _Fixed
+from kv_exporter.snapshot import build_snapshot
 
 
 def phases(collection: Collection, app: ExporterApp) -> dict[str, Callable[[], Any]]:

@@ -86,7 +86,7 @@ def _common(parser: argparse.ArgumentParser, default_listen: str) -> None:
 
 
 def _limits(serve: argparse.ArgumentParser) -> None:
-    from kv_exporter.collector import DEFAULT_MAX_SERIES, SERIES_PER_DECLARATION, SERIES_PER_ENGINE
+    from kv_exporter.snapshot import DEFAULT_MAX_SERIES, SERIES_PER_DECLARATION, SERIES_PER_ENGINE
 
     serve.add_argument(
         "--manifest-max-bytes",

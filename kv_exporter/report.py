@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kv_exporter.collector import ManifestEntry, ManifestStore, assess
+from kv_exporter.collector import ManifestStore, assess
 from kv_exporter.manifest import Declaration, Manifest, ManifestError, current_pid_namespace
+from kv_exporter.snapshot import ManifestEntry
 
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 

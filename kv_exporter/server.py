@@ -25,7 +25,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from kv_exporter.collector import Collection, GaugeRows, KVCollector, SingleFlight
+from kv_exporter.collector import Collection, KVCollector, SingleFlight
+from kv_exporter.families import GaugeRows
 from kv_exporter.landing import render_landing
 
 log = logging.getLogger(__name__)

@@ -14,26 +14,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_exporter.collector import (
-    Collection,
-    DeclarationView,
-    GpuResult,
-    ManifestEntry,
-    ManifestStore,
-    PageResult,
-    Settings,
-    SingleFlight,
-    Snapshot,
-    assess,
-    build_snapshot,
-    families,
-    safe_max_num_seqs,
-)
+from kv_exporter.collector import Collection, ManifestStore, Settings, SingleFlight, assess
 from kv_exporter.engine_page import EngineTarget, scan_page
+from kv_exporter.families import families
 from kv_exporter.liveness import State
 from kv_exporter.manifest import Manifest, write_manifest
 from kv_exporter.nvml import GpuMemory, SimulatedGpu
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
+from kv_exporter.snapshot import (
+    DeclarationView,
+    GpuResult,
+    ManifestEntry,
+    PageResult,
+    Snapshot,
+    build_snapshot,
+    safe_max_num_seqs,
+)
 from tests.unit.fake_engine import fake_engine, vllm_page_with
 from tests.unit.manifests import reference_manifest
 

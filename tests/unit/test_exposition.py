@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
-from kv_exporter.collector import Collection, GaugeRows, Settings
+from kv_exporter.collector import Collection, Settings
 from kv_exporter.engine_page import EngineTarget
+from kv_exporter.families import GaugeRows
 from kv_exporter.manifest import write_manifest
 from kv_exporter.reference import QWEN3_TTS
 from kv_exporter.server import ExporterApp, Exposition, _Fixed

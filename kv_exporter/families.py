@@ -1,0 +1,221 @@
+"""Prometheus metric families from a `Snapshot`: the public metric names and labels (docs/metrics.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.samples import Sample, Timestamp
+
+from kv_exporter import __version__
+from kv_exporter.snapshot import DeclarationView, EngineView, GpuView, PageResult, Snapshot
+
+# -- metric families -----------------------------------------------------------------------------------------
+
+DECLARATION_LABELS = ("model_name", "stage", "engine", "owner", "cache", "scope", "driver", "gpu", "UUID")
+INFO_EXTRA_LABELS = ("dtype", "capacity_source", "rows_fixed", "rows_reason", "allocation_note")
+ENGINE_LABELS = ("model_name", "stage", "engine")
+GPU_LABELS = ("gpu", "UUID", "source")
+
+SAFE_MAX_NUM_SEQS_HELP = (
+    "Largest max_num_seqs M (the same for every engine on this GPU) with NVML used + sum over its "
+    "live max_num_seqs-driven declarations of bytes_per_row * max(0, M - estimated rows) <= total. "
+    "Assumes NVML used already holds the estimated and fixed rows and nothing else on the GPU grows."
+)
+
+
+class GaugeRows(GaugeMetricFamily):
+    """A gauge family that keeps its series as (label values, value) rows.
+
+    prometheus_client's `Sample` objects (a label dict each) are built only when something asks for `samples`;
+    the exporter's own exposition (`server.Exposition`) reads `rows`. On a page of a few hundred declaration
+    series, making and re-reading those dicts was a third of the scrape (docs/benchmarks.md, target 1).
+    """
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
+        self.label_names = tuple(labels)
+        self.rows: list[tuple[tuple[str, ...], float]] = []
+        super().__init__(name, documentation, labels=list(labels))
+
+    def add_metric(self, labels: Sequence[str], value: float, timestamp: float | Timestamp | None = None) -> None:
+        if timestamp is not None or len(labels) != len(self.label_names):
+            raise ValueError(f"{self.name}: want {len(self.label_names)} label values and no timestamp")
+        self.rows.append((tuple(labels), value))
+
+    @property
+    def samples(self) -> list[Sample]:
+        names = self.label_names
+        return [Sample(self.name, dict(zip(names, labels, strict=True)), value) for labels, value in self.rows]
+
+    @samples.setter
+    def samples(self, value: list[Sample]) -> None:
+        if value:  # Metric.__init__ sets [], which is all there is to set
+            raise AttributeError(f"{self.name}: add series with add_metric")
+
+
+def _gauge(name: str, doc: str, labels: Sequence[str]) -> GaugeRows:
+    return GaugeRows(name, doc, labels)
+
+
+def _declaration_labels(view: DeclarationView) -> tuple[str, ...]:
+    d = view.declaration
+    return (
+        view.model_name,
+        str(view.stage),
+        str(view.engine),
+        d.owner,
+        d.name,
+        d.scope,
+        d.rows,
+        view.gpu,
+        view.uuid,
+    )
+
+
+def declaration_families(views: Sequence[DeclarationView]) -> list[Metric]:
+    per_row = _gauge("model_local_kv_bytes_per_row", "Bytes in one row.", DECLARATION_LABELS)
+    ceiling = _gauge(
+        "model_local_kv_ceiling_bytes",
+        "Bytes at the engine's max_num_seqs rows (rows_fixed for driver=fixed).",
+        DECLARATION_LABELS,
+    )
+    estimate = _gauge(
+        "model_local_kv_estimated_bytes",
+        "Bytes at the live running count capped at max_num_seqs (rows_fixed for driver=fixed; 0 rows for "
+        "driver=max_num_seqs while the engine cannot be read).",
+        DECLARATION_LABELS,
+    )
+    positions = _gauge(
+        "model_local_kv_capacity_positions", "Positions one row can physically hold.", DECLARATION_LABELS
+    )
+    info = _gauge(
+        "model_local_kv_declaration_info",
+        "Declaration metadata (value 1).",
+        DECLARATION_LABELS + INFO_EXTRA_LABELS,
+    )
+    for labels, group in _merge_duplicates(views).items():
+        first = group[0].declaration
+        per_row.add_metric(labels, first.bytes_per_row)
+        ceiling.add_metric(labels, sum(v.ceiling_bytes for v in group))
+        estimate.add_metric(labels, sum(v.estimate_bytes for v in group))
+        positions.add_metric(labels, first.physical_capacity_positions)
+        extra = (first.dtype, first.capacity_source, str(first.rows_fixed), first.rows_reason)
+        info.add_metric((*labels, *extra, first.allocation_note or ""), 1)
+    return [per_row, ceiling, estimate, positions, info]
+
+
+def _merge_duplicates(views: Iterable[DeclarationView]) -> dict[tuple[str, ...], list[DeclarationView]]:
+    """Ranks of one engine sharing a GPU would repeat a label set: their bytes add up under one series."""
+    groups: dict[tuple[str, ...], list[DeclarationView]] = {}
+    for view in views:
+        groups.setdefault(_declaration_labels(view), []).append(view)
+    return groups
+
+
+def engine_families(engines: Sequence[EngineView], pages: Sequence[PageResult]) -> list[Metric]:
+    running = _gauge(
+        "model_local_kv_running_sequences",
+        "Running sequences read from the engine's metrics page (per stage capped by the pipeline gauge).",
+        ENGINE_LABELS,
+    )
+    max_seqs = _gauge("model_local_kv_max_num_seqs", "max_num_seqs from its manifests.", ENGINE_LABELS)
+    up = _gauge("model_local_kv_engine_up", "1 if its running count was read this scrape.", ENGINE_LABELS)
+    manifests = _gauge(
+        "model_local_kv_engine_manifests",
+        "Live valid manifests matched to this engine (0: the engine runs but declares nothing here).",
+        ENGINE_LABELS,
+    )
+    for view in engines:
+        labels = (view.key.model_name, str(view.key.stage), str(view.key.engine))
+        if view.running is not None:
+            running.add_metric(labels, view.running)
+        if view.max_num_seqs is not None:
+            max_seqs.add_metric(labels, view.max_num_seqs)
+        up.add_metric(labels, int(view.up))
+        manifests.add_metric(labels, view.manifests)
+    page_up = _gauge("model_local_kv_engine_page_up", "1 if the page was fetched and read.", ("target",))
+    for page in pages:
+        page_up.add_metric((page.target,), int(page.page is not None))
+    return [running, max_seqs, up, manifests, page_up]
+
+
+def gpu_families(gpus: Sequence[GpuView]) -> list[Metric]:
+    total = _gauge("model_local_kv_gpu_memory_total_bytes", "GPU memory total (NVML).", GPU_LABELS)
+    used = _gauge("model_local_kv_gpu_memory_used_bytes", "GPU memory used (NVML).", GPU_LABELS)
+    free = _gauge("model_local_kv_gpu_memory_free_bytes", "GPU memory free (NVML).", GPU_LABELS)
+    process = _gauge(
+        "model_local_kv_gpu_process_memory_bytes",
+        "GPU memory NVML reports for a manifest's process (only where the pids are comparable).",
+        (*GPU_LABELS, "pid"),
+    )
+    peak = _gauge(
+        "model_local_kv_gpu_projected_peak_bytes",
+        "NVML used + sum over this GPU's live declarations of (ceiling - estimate).",
+        GPU_LABELS,
+    )
+    headroom = _gauge(
+        "model_local_kv_gpu_headroom_bytes",
+        "total - projected peak (negative: it would not fit).",
+        GPU_LABELS,
+    )
+    safe = _gauge("model_local_kv_gpu_safe_max_num_seqs", SAFE_MAX_NUM_SEQS_HELP, GPU_LABELS)
+    for view in gpus:
+        labels = (str(view.memory.index), view.memory.uuid, view.source)
+        total.add_metric(labels, view.memory.total)
+        used.add_metric(labels, view.memory.used)
+        free.add_metric(labels, view.memory.free)
+        for pid, value in view.processes.items():
+            process.add_metric((*labels, str(pid)), value)
+        peak.add_metric(labels, view.projected_peak)
+        headroom.add_metric(labels, view.headroom)
+        if view.safe_max_num_seqs is not None:
+            safe.add_metric(labels, view.safe_max_num_seqs)
+    return [total, used, free, process, peak, headroom, safe]
+
+
+def exporter_families(snapshot: Snapshot) -> list[Metric]:
+    nvml_up = GaugeMetricFamily(
+        "model_local_kv_nvml_up",
+        "1 if the GPU reader (NVML or simulated) answered this scrape.",
+        value=int(snapshot.gpu.up),
+    )
+    manifests = _gauge("model_local_kv_manifests", "Manifest files by state.", ("state",))
+    for state, count in snapshot.manifest_counts().items():
+        manifests.add_metric((state.value,), count)
+    manifest_errors = CounterMetricFamily(
+        "model_local_kv_manifest_errors", "Invalid manifest file versions seen, by reason.", labels=["reason"]
+    )
+    for reason, count in sorted(snapshot.manifest_errors_total.items()):
+        manifest_errors.add_metric((reason,), count)
+    page_errors = CounterMetricFamily(
+        "model_local_kv_engine_page_errors",
+        "Failed engine page reads, by target and reason.",
+        labels=["target", "reason"],
+    )
+    for (target, reason), count in sorted(snapshot.page_errors_total.items()):
+        page_errors.add_metric((target, reason), count)
+    nvml_errors = CounterMetricFamily(
+        "model_local_kv_nvml_errors", "Failed GPU reader calls, by reason.", labels=["reason"]
+    )
+    for reason, count in sorted(snapshot.nvml_errors_total.items()):
+        nvml_errors.add_metric((reason,), count)
+    dropped = GaugeMetricFamily(
+        "model_local_kv_series_limit_dropped_manifests",
+        "Live manifests left out of this page because their series would exceed --max-series (newest first).",
+        value=len(snapshot.series_dropped),
+    )
+    duration = GaugeMetricFamily(
+        "model_local_kv_scrape_duration_seconds", "Seconds the collection took.", value=snapshot.duration_s
+    )
+    build = _gauge("model_local_kv_exporter_build_info", "kv-exporter version (value 1).", ("version",))
+    build.add_metric((__version__,), 1)
+    return [nvml_up, manifests, manifest_errors, page_errors, nvml_errors, dropped, duration, build]
+
+
+def families(snapshot: Snapshot) -> list[Metric]:
+    return [
+        *declaration_families(snapshot.declarations),
+        *engine_families(snapshot.engines, snapshot.pages),
+        *gpu_families(snapshot.gpus),
+        *exporter_families(snapshot),
+    ]

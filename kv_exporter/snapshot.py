@@ -1,0 +1,407 @@
+"""The snapshot: one scrape's inputs combined into the figures every output reads (pure, no I/O).
+
+Inputs are records (`ManifestEntry`, `PageResult`, `GpuResult`) that `kv_exporter.collector` gathers; the
+snapshot holds one view per live declaration, engine and GPU: ceiling and estimate, running count, projected peak,
+headroom and safe max_num_seqs. `kv_exporter.families` turns it into metric families, `kv_exporter.landing` into
+the landing page. The same inputs always give the same snapshot.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
+
+from kv_exporter.engine_page import (
+    EngineKey,
+    EnginePage,
+    EnginePageError,
+)
+from kv_exporter.liveness import State, Verdict
+from kv_exporter.manifest import (
+    Declaration,
+    Manifest,
+    ManifestError,
+)
+from kv_exporter.nvml import SOURCE_SIMULATED, GpuMemory, GpuReadError
+
+# -- inputs, as records ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """One manifest file: a valid manifest with its liveness verdict, or why it is invalid."""
+
+    path: str
+    manifest: Manifest | None
+    verdict: Verdict
+    error: ManifestError | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.verdict.state is State.LIVE
+
+
+@dataclass(frozen=True)
+class PageResult:
+    target: str
+    page: EnginePage | None
+    error: EnginePageError | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class GpuResult:
+    """One pass over the GPU reader. `devices` is empty when it could not be read; `error` says why."""
+
+    enabled: bool
+    source: str | None
+    devices: tuple[GpuMemory, ...] = ()
+    processes: dict[int, dict[int, int]] = field(default_factory=dict)  # NVML index -> pid -> bytes
+    error: GpuReadError | None = None
+    device_errors: tuple[GpuReadError, ...] = ()
+
+    @property
+    def up(self) -> bool:
+        return self.enabled and self.error is None
+
+
+def on_device(manifest: Manifest, device: GpuMemory) -> bool:
+    """A manifest's GPU by UUID when it recorded one, else by NVML index."""
+    return _placed_on(manifest.device.uuid or "", manifest.device.index, device)
+
+
+def _placed_on(uuid: str, index: int | None, device: GpuMemory) -> bool:
+    if uuid:
+        return uuid == device.uuid
+    return index is not None and index == device.index
+
+
+def placement(manifest: Manifest, gpu: GpuResult) -> tuple[int | None, str]:
+    """(index, UUID) of the GPU a manifest's declarations sit on.
+
+    As recorded, except that a simulated device stands in for the GPU of an engine that recorded none (a CPU
+    engine in the demo or the end-to-end tests): that is what simulating a device is for. Real NVML readings never
+    adopt anything, and a simulation adopts only when it is the one device, so nothing is guessed.
+    """
+    recorded = manifest.device
+    if recorded.uuid is None and recorded.index is None and gpu.source == SOURCE_SIMULATED and len(gpu.devices) == 1:
+        return gpu.devices[0].index, gpu.devices[0].uuid
+    return recorded.index, recorded.uuid or ""
+
+
+def _uuid_index(manifest: Manifest, gpu: GpuResult) -> tuple[str, int | None]:
+    index, uuid = placement(manifest, gpu)
+    return uuid, index
+
+
+# -- the snapshot --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeclarationView:
+    """One live declaration with its figures at the engine's max_num_seqs and at the live running count."""
+
+    model_name: str
+    stage: int
+    engine: int
+    gpu: str
+    uuid: str
+    declaration: Declaration
+    max_num_seqs: int
+    running: int | None
+    ceiling_rows: int
+    estimate_rows: int
+
+    @property
+    def ceiling_bytes(self) -> int:
+        return self.declaration.bytes_per_row * self.ceiling_rows
+
+    @property
+    def estimate_bytes(self) -> int:
+        return self.declaration.bytes_per_row * self.estimate_rows
+
+    @property
+    def headroom_needed(self) -> int:
+        """Bytes this cache may still grow by: what the projection adds to NVML's used figure."""
+        return self.ceiling_bytes - self.estimate_bytes
+
+
+@dataclass(frozen=True)
+class EngineView:
+    key: EngineKey
+    up: bool
+    running: int | None
+    max_num_seqs: int | None
+    manifests: int
+    target: str | None  # the page it was read from
+
+
+@dataclass(frozen=True)
+class GpuView:
+    memory: GpuMemory
+    source: str
+    projected_peak: int
+    safe_max_num_seqs: int | None  # None: no max_num_seqs-driven declaration on this GPU
+    processes: dict[int, int]  # matched manifest pid -> NVML used bytes
+    declarations: int
+
+    @property
+    def headroom(self) -> int:
+        return self.memory.total - self.projected_peak
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    manifests: tuple[ManifestEntry, ...]
+    declarations: tuple[DeclarationView, ...]
+    engines: tuple[EngineView, ...]
+    pages: tuple[PageResult, ...]
+    gpus: tuple[GpuView, ...]
+    gpu: GpuResult
+    manifest_errors_total: dict[str, int]
+    page_errors_total: dict[tuple[str, str], int]
+    nvml_errors_total: dict[str, int]
+    manifest_folder: str
+    manifest_folder_error: str | None
+    duration_s: float
+    taken_at: float
+    series_dropped: tuple[str, ...] = ()  # live manifests left out by the series cap (paths)
+
+    def manifest_counts(self) -> dict[State, int]:
+        counts = dict.fromkeys(State, 0)
+        for entry in self.manifests:
+            counts[entry.verdict.state] += 1
+        return counts
+
+
+RunningCounts = dict[EngineKey, tuple[int, str]]  # running count and the page it came from
+Views = Sequence[DeclarationView]
+
+
+def running_counts(pages: Sequence[PageResult]) -> RunningCounts:
+    """Running count per engine and the page it came from; the first configured page wins a duplicate."""
+    found: dict[EngineKey, tuple[int, str]] = {}
+    for result in pages:
+        if result.page is None:
+            continue
+        for key in result.page.running:
+            running = result.page.running_for(key)
+            if running is not None and key not in found:
+                found[key] = (running, result.target)
+    return found
+
+
+def engine_key(manifest: Manifest) -> EngineKey:
+    e = manifest.engine
+    return EngineKey(e.model_name, e.stage, e.engine_index)
+
+
+def declaration_views(
+    entries: Sequence[ManifestEntry], running: dict[EngineKey, tuple[int, str]], gpu: GpuResult
+) -> list[DeclarationView]:
+    views = []
+    for entry in entries:
+        m = entry.manifest
+        if m is None or not entry.live:
+            continue
+        known = running.get(engine_key(m))
+        index, uuid = placement(m, gpu)
+        for d in m.declarations:
+            # Engine unreadable: MAX_NUM_SEQS rows fall back to 0, so the projected peak stays an upper bound.
+            live_rows = d.rows_at(min(known[0], m.max_num_seqs)) if known else d.rows_at(0)
+            views.append(
+                DeclarationView(
+                    model_name=m.engine.model_name,
+                    stage=m.engine.stage,
+                    engine=m.engine.engine_index,
+                    gpu="" if index is None else str(index),
+                    uuid=uuid,
+                    declaration=d,
+                    max_num_seqs=m.max_num_seqs,
+                    running=known[0] if known else None,
+                    ceiling_rows=d.row_count(m.max_num_seqs),
+                    estimate_rows=live_rows,
+                )
+            )
+    return sorted(
+        views, key=lambda v: (v.model_name, v.stage, v.engine, v.gpu, v.declaration.owner, v.declaration.name)
+    )
+
+
+def engine_views(entries: Sequence[ManifestEntry], running: RunningCounts) -> list[EngineView]:
+    manifests: Counter[EngineKey] = Counter()
+    max_seqs: dict[EngineKey, int] = {}
+    for entry in entries:
+        if entry.manifest is not None and entry.live:
+            key = engine_key(entry.manifest)
+            manifests[key] += 1
+            max_seqs[key] = max(max_seqs.get(key, 0), entry.manifest.max_num_seqs)
+    views = []
+    for key in sorted(set(manifests) | set(running)):
+        known = running.get(key)
+        views.append(
+            EngineView(
+                key=key,
+                up=known is not None,
+                running=known[0] if known else None,
+                max_num_seqs=max_seqs.get(key),
+                manifests=manifests[key],
+                target=known[1] if known else None,
+            )
+        )
+    return views
+
+
+def safe_max_num_seqs(device: GpuMemory, views: Sequence[DeclarationView]) -> int | None:
+    """Largest M with used + sum(bytes_per_row * max(0, M - estimated rows)) <= total, over this GPU's
+    max_num_seqs-driven declarations (every engine on the GPU at the same M); None when there are none."""
+    # (bytes_per_row, estimated rows) pairs: the search below evaluates peak() ~30 times per GPU.
+    scaling = [(v.declaration.bytes_per_row, v.estimate_rows) for v in views if not v.declaration.is_fixed]
+    if not scaling:
+        return None
+
+    def peak(m: int) -> int:
+        return device.used + sum(per_row * (m - rows) for per_row, rows in scaling if m > rows)
+
+    if peak(0) > device.total:
+        return 0
+    # peak(hi) > total: the cheapest row alone overflows the free bytes by then.
+    cheapest_per_row, cheapest_rows = min(scaling)
+    low = 0
+    high = cheapest_rows + (device.total - device.used) // cheapest_per_row + 1
+    while high - low > 1:
+        middle = (low + high) // 2
+        if peak(middle) <= device.total:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def gpu_views(gpu: GpuResult, entries: Sequence[ManifestEntry], views: Views) -> list[GpuView]:
+    result = []
+    # Grouped in one pass each, not one pass per device (docs/benchmarks.md, target 1).
+    views_at = _by_place(((v.uuid, None if v.gpu == "" else int(v.gpu)), v) for v in views)
+    pids_at = _by_place(
+        (_uuid_index(e.manifest, gpu), e.manifest.process.pid) for e in entries if e.manifest is not None and e.live
+    )
+    for device in gpu.devices:
+        mine = _placed(views_at, device)
+        pids = set(_placed(pids_at, device))
+        listed = gpu.processes.get(device.index, {})
+        result.append(
+            GpuView(
+                memory=device,
+                source=gpu.source or "",
+                projected_peak=device.used + sum(v.headroom_needed for v in mine),
+                safe_max_num_seqs=safe_max_num_seqs(device, mine),
+                processes={pid: listed[pid] for pid in sorted(pids) if pid in listed},
+                declarations=len(mine),
+            )
+        )
+    return result
+
+
+_Place = tuple[str, int | None]  # (UUID or "", index): what `_placed_on` matches a device by
+P = TypeVar("P")
+
+
+def _by_place(items: Iterable[tuple[_Place, P]]) -> dict[_Place, list[P]]:
+    groups: dict[_Place, list[P]] = {}
+    for place, item in items:
+        # A UUID decides alone (see _placed_on): keyed by it, the index is irrelevant.
+        groups.setdefault((place[0], None) if place[0] else place, []).append(item)
+    return groups
+
+
+def _placed(groups: dict[_Place, list[P]], device: GpuMemory) -> list[P]:
+    """The items `_placed_on` would put on `device`."""
+    return groups.get((device.uuid, None), []) + groups.get(("", device.index), [])
+
+
+# What one live manifest can add to the page: the per-declaration families for each of its declarations, and the
+# per-engine families for its engine. Per-GPU and per-page series are bounded by the hardware and the configuration,
+# not by what a declarer writes, so only these count against the series cap.
+SERIES_PER_DECLARATION = 5
+SERIES_PER_ENGINE = 4
+# 10,000 declarations' worth: far above a real node (a few engines per GPU, a handful of caches each), and still a
+# page Prometheus takes in one scrape (~13 MB of text, ~1-2 s on two cores).
+DEFAULT_MAX_SERIES = SERIES_PER_DECLARATION * 10_000
+
+
+def manifest_series(manifest: Manifest) -> int:
+    """The most series one live manifest can add to the page."""
+    return SERIES_PER_DECLARATION * len(manifest.declarations) + SERIES_PER_ENGINE
+
+
+def _age(entry: ManifestEntry) -> tuple[float, str]:
+    return (entry.manifest.written_at if entry.manifest else 0.0, entry.path)
+
+
+def limit_series(
+    entries: Sequence[ManifestEntry], max_series: int | None
+) -> tuple[list[ManifestEntry], list[ManifestEntry]]:
+    """(kept, dropped) live manifests under the series cap.
+
+    Oldest first (by `written_at`, then path) until the next manifest would take the page past `max_series`; that
+    one and every newer one are dropped whole (part of a manifest would understate its engine without saying so).
+    Oldest first keeps the series Prometheus already has: a runaway declarer or a burst of new engines loses its own
+    series, not everybody else's. The rule depends only on the files, so the same manifests stay out scrape after
+    scrape.
+    """
+    live = sorted((e for e in entries if e.live and e.manifest is not None), key=_age)
+    total = 0
+    for i, entry in enumerate(live):
+        total += manifest_series(entry.manifest) if entry.manifest else 0
+        if max_series is not None and total > max_series:
+            return live[:i], live[i:]
+    return live, []
+
+
+def _mark_dropped(entries: Sequence[ManifestEntry], dropped: Sequence[ManifestEntry]) -> list[ManifestEntry]:
+    """The entries, the dropped ones saying so (for the landing page; their state stays live)."""
+    paths = {e.path for e in dropped}
+    note = "; left out of the metrics: over --max-series"
+    return [
+        replace(e, verdict=Verdict(e.verdict.state, e.verdict.why + note)) if e.path in paths else e for e in entries
+    ]
+
+
+def build_snapshot(
+    entries: Sequence[ManifestEntry],
+    pages: Sequence[PageResult],
+    gpu: GpuResult,
+    *,
+    max_series: int | None = None,
+    manifest_folder: str = "",
+    manifest_folder_error: str | None = None,
+    manifest_errors_total: dict[str, int] | None = None,
+    page_errors_total: dict[tuple[str, str], int] | None = None,
+    nvml_errors_total: dict[str, int] | None = None,
+    duration_s: float = 0.0,
+    taken_at: float = 0.0,
+) -> Snapshot:
+    """Pure: the same inputs give the same snapshot."""
+    kept, dropped = limit_series(entries, max_series)
+    running = running_counts(pages)
+    views = declaration_views(kept, running, gpu)
+    # The cap limits series, not truth: left-out manifests still count in their GPU's projected peak.
+    unexported = declaration_views(dropped, running, gpu) if dropped else []
+    return Snapshot(
+        manifests=tuple(_mark_dropped(entries, dropped) if dropped else entries),
+        declarations=tuple(views),
+        engines=tuple(engine_views(kept, running)),
+        pages=tuple(pages),
+        gpus=tuple(gpu_views(gpu, entries, [*views, *unexported])),
+        gpu=gpu,
+        manifest_errors_total=dict(manifest_errors_total or {}),
+        page_errors_total=dict(page_errors_total or {}),
+        nvml_errors_total=dict(nvml_errors_total or {}),
+        manifest_folder=manifest_folder,
+        manifest_folder_error=manifest_folder_error,
+        duration_s=duration_s,
+        taken_at=taken_at,
+        series_dropped=tuple(sorted(e.path for e in dropped)),
+    )
