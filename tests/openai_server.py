@@ -46,6 +46,7 @@ class OpenAIServer:
     proc: subprocess.Popen[bytes]
     log_path: Path
     manifest_dir: Path
+    report_dir: Path
     started_at: float
     kind = "server"
 
@@ -89,3 +90,11 @@ class OpenAIServer:
 
     def manifests(self) -> list[Path]:
         return sorted(self.manifest_dir.glob("*.json"))
+
+    def reports_by_pid(self, pattern: str) -> dict[int, dict[str, Any]]:
+        """JSON reports the test plugins write into `report_dir`, per pid of the process that wrote them."""
+        reports = {}
+        for path in sorted(self.report_dir.glob(pattern)):
+            data = json.loads(path.read_text())
+            reports[int(data["pid"])] = data
+        return reports

@@ -8,7 +8,6 @@ leaves a process behind.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -96,11 +95,7 @@ class Server(OpenAIServer):
 
     def report(self) -> dict[int, dict[str, Any]]:
         """The test plugin's reports, per pid of the process that wrote them."""
-        reports = {}
-        for path in sorted(self.report_dir.glob("*.json")):
-            data = json.loads(path.read_text())
-            reports[int(data["pid"])] = data
-        return reports
+        return self.reports_by_pid("*.json")
 
 
 def group_members(pgid: int) -> list[int]:

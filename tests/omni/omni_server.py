@@ -153,13 +153,9 @@ class OmniServer(OpenAIServer):
             {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
         )
 
-    def cache_reports(self) -> dict[int, dict[str, int]]:
+    def cache_reports(self) -> dict[int, dict[str, Any]]:
         """What the model's cache tensors hold, per worker pid (kvx_omni_testplugin.model)."""
-        reports = {}
-        for path in sorted(self.report_dir.glob("caches-*.json")):
-            data = json.loads(path.read_text())
-            reports[int(data["pid"])] = data
-        return reports
+        return self.reports_by_pid("caches-*.json")
 
 
 def start_server(workdir: Path, model_dir: Path, manifest_dir: Path) -> OmniServer:

@@ -29,7 +29,9 @@ from tests.unit.manifests import reference_manifest
 from tests.unit.test_server import Samples, parse
 
 REPO = Path(__file__).resolve().parent.parent.parent
-NOBODY = 65534  # the sidecar runs as this user where a test needs permission bits to apply (we are root)
+# Root is not bound by permission bits: without these two capabilities it is, while still reaching its own checkout
+# (which may sit in a 0700 folder no other user can enter).
+DROP_FILE_CAPABILITIES = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
 STOP_TIMEOUT_S = 15.0
 _SERVING = re.compile(r"serving (http://127\.0\.0\.1:\d+)/metrics")
 _counter = itertools.count()
@@ -82,11 +84,11 @@ class Sidecar:
 
 
 @contextmanager
-def sidecar(workdir: Path, *args: str, user: int | None = None, prelude: str = "") -> Iterator[Sidecar]:
+def sidecar(workdir: Path, *args: str, permission_bits: bool = False, prelude: str = "") -> Iterator[Sidecar]:
     """Start `kv-exporter serve --listen-address 127.0.0.1:0 ARGS`, yield it once it serves, stop it by pid.
 
-    Its output goes to a file (a pipe nobody reads would block a chatty sidecar). `user`: run it as that uid when
-    we are root (permission bits do not stop root); anyone else is bound by them already and runs it as is.
+    Its output goes to a file (a pipe nobody reads would block a chatty sidecar). `permission_bits`: make file
+    permissions apply to it when we are root (anyone else is bound by them already and runs it as is).
     `prelude`: Python run in the sidecar process before the command line is (e.g. to make a module unavailable).
     """
     log_path = workdir / f"sidecar-{next(_counter)}.log"
@@ -94,8 +96,8 @@ def sidecar(workdir: Path, *args: str, user: int | None = None, prelude: str = "
     if prelude:
         entry = ["-c", f"{prelude}\nimport sys\nfrom kv_exporter.cli import main\nsys.exit(main(sys.argv[1:]))"]
     command = [sys.executable, *entry, "serve", "--listen-address", "127.0.0.1:0", *args]
-    if user is not None and os.geteuid() == 0:
-        command = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *command]
+    if permission_bits and os.geteuid() == 0:
+        command = [*DROP_FILE_CAPABILITIES, *command]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
