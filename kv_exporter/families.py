@@ -182,23 +182,24 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
     manifests = _gauge("model_local_kv_manifests", "Manifest files by state.", ("state",))
     for state, count in snapshot.manifest_counts().items():
         manifests.add_metric((state.value,), count)
-    manifest_errors = CounterMetricFamily(
-        "model_local_kv_manifest_errors", "Invalid manifest file versions seen, by reason.", labels=["reason"]
+    manifest_errors = _counter(
+        "model_local_kv_manifest_errors",
+        "Invalid manifest file versions seen, by reason.",
+        ("reason",),
+        [((reason,), count) for reason, count in snapshot.manifest_errors_total.items()],
     )
-    for reason, count in sorted(snapshot.manifest_errors_total.items()):
-        manifest_errors.add_metric((reason,), count)
-    page_errors = CounterMetricFamily(
+    page_errors = _counter(
         "model_local_kv_engine_page_errors",
         "Failed engine page reads, by target and reason.",
-        labels=["target", "reason"],
+        ("target", "reason"),
+        snapshot.page_errors_total.items(),
     )
-    for (target, reason), count in sorted(snapshot.page_errors_total.items()):
-        page_errors.add_metric((target, reason), count)
-    nvml_errors = CounterMetricFamily(
-        "model_local_kv_nvml_errors", "Failed GPU reader calls, by reason.", labels=["reason"]
+    nvml_errors = _counter(
+        "model_local_kv_nvml_errors",
+        "Failed GPU reader calls, by reason.",
+        ("reason",),
+        [((reason,), count) for reason, count in snapshot.nvml_errors_total.items()],
     )
-    for reason, count in sorted(snapshot.nvml_errors_total.items()):
-        nvml_errors.add_metric((reason,), count)
     dropped = GaugeMetricFamily(
         "model_local_kv_series_limit_dropped_manifests",
         "Live manifests left out of this page because their series would exceed --max-series (newest first).",
@@ -210,6 +211,15 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
     build = _gauge("model_local_kv_exporter_build_info", "kv-exporter version (value 1).", ("version",))
     build.add_metric((__version__,), 1)
     return [nvml_up, manifests, manifest_errors, page_errors, nvml_errors, dropped, duration, build]
+
+
+def _counter(
+    name: str, doc: str, labels: tuple[str, ...], counts: Iterable[tuple[tuple[str, ...], int]]
+) -> CounterMetricFamily:
+    counter = CounterMetricFamily(name, doc, labels=list(labels))
+    for label_values, count in sorted(counts):
+        counter.add_metric(label_values, count)
+    return counter
 
 
 def families(snapshot: Snapshot) -> list[Metric]:
