@@ -11,6 +11,19 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+
+def mark_real_engine_tests(
+    items: list[pytest.Item], folder: Path, marker: pytest.MarkDecorator, ready: bool, missing: str
+) -> None:
+    """Mark the tests under `folder`; skip them, saying `missing`, where their engine environment is not built."""
+    for item in items:
+        if folder in Path(str(item.fspath)).parents:
+            item.add_marker(marker)
+            if not ready:
+                item.add_marker(pytest.mark.skip(reason=missing))
+
 
 def free_port() -> int:
     with socket.socket() as sock:

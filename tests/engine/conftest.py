@@ -10,17 +10,13 @@ import pytest
 
 from tests.engine.server import VLLM_PYTHON, Server, start_server
 from tests.engine.tinymodel import build_model
+from tests.openai_server import mark_real_engine_tests
 
 NO_ENGINE_ENV = "no .venv-vllm (run `make engine-env` / scripts/ensure-vllm-env.sh to build it)"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.engine)
-            if not VLLM_PYTHON.exists():
-                item.add_marker(pytest.mark.skip(reason=NO_ENGINE_ENV))
+    mark_real_engine_tests(items, Path(__file__).parent, pytest.mark.engine, VLLM_PYTHON.exists(), NO_ENGINE_ENV)
 
 
 @pytest.fixture(scope="session")

@@ -16,15 +16,11 @@ from tests.omni.omni_server import (
     start_server,
     start_sidecar,
 )
+from tests.openai_server import mark_real_engine_tests
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.omni)
-            if not OMNI_STAMP.exists():
-                item.add_marker(pytest.mark.skip(reason=NO_OMNI_ENV))
+    mark_real_engine_tests(items, Path(__file__).parent, pytest.mark.omni, OMNI_STAMP.exists(), NO_OMNI_ENV)
 
 
 @pytest.fixture(scope="module")
