@@ -31,7 +31,7 @@ from kv_exporter.manifest import Phase
 from kv_exporter.plugin.collect import collect, to_declarations
 from kv_exporter.plugin.oncelog import logger
 from kv_exporter.plugin.publish import publish
-from kv_exporter.plugin.settings import COLLECTOR_CHOICES, Settings
+from kv_exporter.plugin.settings import COLLECTOR_CHOICES, HookSettings
 from kv_exporter.reference import REFERENCE_MODELS
 
 BUDGET_MS = 50.0
@@ -105,7 +105,7 @@ def run(modules: int, repeats: int, collector: str = "kv_exporter") -> dict[str,
     logger.setLevel(logging.INFO)
     logger.propagate = False
     with tempfile.TemporaryDirectory() as folder:
-        settings = Settings(disabled=False, directory=Path(folder), explicit_directory=True, collector=collector)
+        settings = HookSettings(disabled=False, directory=Path(folder), explicit_directory=True, collector=collector)
         used = collect(tree, collector)[0]
         timings = {
             "walk": time_ms(lambda: sum(1 for _ in tree.named_modules()), repeats),

@@ -27,7 +27,6 @@ from benchlib import (  # importing benchlib puts the checkout on sys.path
     wait_until_serving,
 )
 
-from kv_exporter.engine_page import STAGE_METRIC
 from kv_exporter.manifest import (
     Declaration,
     DeviceInfo,
@@ -40,6 +39,7 @@ from kv_exporter.manifest import (
     write_manifest,
 )
 from kv_exporter.reference import REFERENCE_MODELS
+from kv_exporter.sidecar.engine_page import STAGE_METRIC
 from tests.unit.fake_engine import vllm_page_with
 
 MODEL = "bench-omni"

@@ -23,11 +23,12 @@ from deployment import GPU_TOTAL, GPU_USED, SCRAPE_LAYOUT, Layout, scaling_layou
 from prometheus_client.exposition import choose_encoder
 from sidecar import SimulatedGpus
 
-from kv_exporter.collector import Collection, Settings, assess, read_gpus
-from kv_exporter.engine_page import EngineTarget
-from kv_exporter.families import families
-from kv_exporter.server import GZIP_LEVEL, ExporterApp, _Fixed
-from kv_exporter.snapshot import build_snapshot
+from kv_exporter.sidecar.app import GZIP_LEVEL, ExporterApp
+from kv_exporter.sidecar.collection import Collection, CollectionSettings, assess, read_gpus
+from kv_exporter.sidecar.engine_page import EngineTarget
+from kv_exporter.sidecar.exposition import Fixed
+from kv_exporter.sidecar.families import families
+from kv_exporter.sidecar.snapshot import build_snapshot
 
 
 def phases(collection: Collection, app: ExporterApp) -> dict[str, Callable[[], Any]]:
@@ -48,7 +49,7 @@ def phases(collection: Collection, app: ExporterApp) -> dict[str, Callable[[], A
         "snapshot": lambda: build_snapshot(entries, pages, gpu),
         "families": lambda: families(snapshot),
         "render (kv-exporter)": lambda: app.exposition.render(metrics, content_type),
-        "render (prometheus_client)": lambda: encoder(_Fixed(metrics)),
+        "render (prometheus_client)": lambda: encoder(Fixed(metrics)),
         "gzip": lambda: gzip.compress(body, compresslevel=GZIP_LEVEL),
         "whole scrape (app.metrics)": lambda: app.metrics(PROMETHEUS_HEADERS["Accept"], "gzip"),
     }
@@ -68,7 +69,9 @@ def main() -> int:
         targets = tuple(EngineTarget.parse(f"http://127.0.0.1:{port}/metrics") for port in ports)
         reader = SimulatedGpus(GPU_TOTAL, GPU_USED, layout.gpus, engines.pid)
         # The series cap raised as in bench_scaling.py, so that every declaration is on the page.
-        settings = Settings(manifest_dir=str(folder), targets=targets, max_series=20 * layout.declarations + 1000)
+        settings = CollectionSettings(
+            manifest_dir=str(folder), targets=targets, max_series=20 * layout.declarations + 1000
+        )
         collection = Collection(settings, reader)
         app = ExporterApp(collection)
         print(f"{layout.declarations} declarations, {layout.workers} manifests, {len(ports)} engine pages")

@@ -23,7 +23,7 @@ from benchlib import gpu_uuid  # stdlib only: keeps this process's footprint the
 sys.path.insert(0, os.environ.get("KVX_BENCH_SOURCE") or str(Path(__file__).resolve().parents[1]))
 
 from kv_exporter import cli, nvml
-from kv_exporter.nvml import GpuMemory, GpuScan, SimulatedGpu
+from kv_exporter.gpu import GpuMemory, GpuScan, SimulatedGpu
 
 GIB = 1 << 30
 
@@ -65,7 +65,7 @@ def main() -> int:
     def simulated(total: int, used: int) -> SimulatedGpus:
         return SimulatedGpus(total, used, count, engine_pid)
 
-    # cli.run_serve imports SimulatedGpu from kv_exporter.nvml when it runs: this is the class it will find.
+    # cli.run_serve imports SimulatedGpu from kv_exporter.gpu when it runs: this is the class it will find.
     nvml.SimulatedGpu = simulated  # type: ignore[misc,assignment]
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
     return cli.main(serve_args)

@@ -1,7 +1,9 @@
 """kv-exporter: live metrics for attention KV kept outside vLLM's paged KV manager.
 
-Importing this package must stay cheap and must never import torch or vllm: the sidecar imports it, and vLLM
-imports it in every process through the general-plugin entry point.
+Three rooms: the shared contract at the top (`protocol`, `dtypes`, `manifest`, `procfs`, `gpu`, `filestat`,
+`cachebytes`, `reference`), the engine side in `plugin` (the vLLM general plugin), the sidecar in `sidecar`, with
+the exporter-toolkit web configuration in `web`. Importing this package must stay cheap and must never import torch
+or vllm: the sidecar imports it, and vLLM imports the plugin in every process it starts.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ __all__ = ["__version__", "register"]
 
 
 def register() -> None:
-    """vLLM general-plugin entry point (`vllm.general_plugins`); see `kv_exporter.plugin`."""
-    from kv_exporter.plugin import register as _register
+    """The `vllm.general_plugins` entry point, kept here so that installed metadata stays valid across releases;
+    the plugin itself is imported only when vLLM calls it (`kv_exporter.plugin`)."""
+    from kv_exporter.plugin import register as register_plugin
 
-    _register()
+    register_plugin()

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from kv_exporter.cli import main
+from kv_exporter.sidecar.cli import main
 
 sys.exit(main())

@@ -22,11 +22,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kv_exporter import __version__
-from kv_exporter.dtypes import ITEMSIZE, UnknownDTypeError, dtype_itemsize, dtype_name
+from kv_exporter.dtypes import UnknownDTypeError, dtype_itemsize, dtype_name
+from kv_exporter.procfs import current_pid_namespace, process_start_ticks
 from kv_exporter.protocol import ModelLocalKVScope, RowDriver
 
 SCHEMA_VERSION = 1
 MANIFEST_SUFFIX = ".json"
+# The folder the hook writes to and the sidecar reads, unless told otherwise (an emptyDir shared in the pod).
+DEFAULT_MANIFEST_DIR = "/run/kv-exporter"
 COLLECTORS = ("vllm_omni", "kv_exporter")
 
 # Integers in a manifest must survive any JSON reader exactly.
@@ -162,34 +165,6 @@ class ProcessInfo:
             pid_namespace=current_pid_namespace(),
             hostname=socket.gethostname(),
         )
-
-
-def process_start_ticks(pid: int, proc: str = "/proc") -> int | None:
-    """Start time of `pid` in clock ticks since boot, or None where /proc does not show it."""
-    # The sidecar calls this per manifest per scrape: a raw os.read is ~4x cheaper than pathlib here.
-    try:
-        fd = os.open(f"{proc}/{pid}/stat", os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        stat = os.read(fd, 4096)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    fields = stat.rsplit(b")", 1)[-1].split()
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def current_pid_namespace(proc: str = "/proc") -> str | None:
-    try:
-        return os.readlink(Path(proc, "self", "ns", "pid"))
-    except OSError:
-        return None
 
 
 @dataclass(frozen=True)
@@ -522,5 +497,3 @@ _PROCESS_FIELDS = ("pid", "start_time_ticks", "pid_namespace", "hostname")
 _DEVICE_FIELDS = ("kind", "index", "uuid")
 _BASELINE_FIELDS = ("nvml_process_used_bytes", "torch_reserved_bytes")
 _DECLARATION_FIELDS = tuple(Declaration.__dataclass_fields__)
-
-KNOWN_DTYPES = tuple(ITEMSIZE)

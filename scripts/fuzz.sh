@@ -65,7 +65,7 @@ ensure_env() {
     "$PY" -m pip install -q --upgrade pip
     install_atheris
     "$PY" -m pip install -q -e .
-    "$PY" -c 'import atheris, kv_exporter.manifest, kv_exporter.engine_page'
+    "$PY" -c 'import atheris, kv_exporter.manifest, kv_exporter.sidecar.engine_page'
     echo "$KEY" > "$STAMP"
     echo "fuzz.sh: built $VENV ($("$PY" -m pip show atheris | sed -n 's/^Version: /atheris /p'))"
 }

@@ -15,7 +15,7 @@ from typing import Any
 
 from kv_exporter.plugin.hooks import MethodHook, install_on_module, install_post_import
 from kv_exporter.plugin.oncelog import warn_once
-from kv_exporter.plugin.settings import Settings
+from kv_exporter.plugin.settings import HookSettings
 
 __all__ = ["HOOKS", "register"]
 
@@ -82,7 +82,7 @@ def register() -> None:
     if _registered:
         return
     try:
-        if Settings.from_environ().disabled:
+        if HookSettings.from_environ().disabled:
             return
         _registered = True
         install_post_import({hook.module: _patcher(hook.module) for hook in HOOKS})

@@ -1,4 +1,4 @@
-"""The worker's GPU memory at publish time, and the device's NVML index / UUID, through `kv_exporter.nvml`.
+"""The worker's GPU memory at publish time, and the device's NVML index / UUID, through `kv_exporter.gpu`.
 
 Nothing here may fail a model load: every NVML or torch problem leaves the figure absent (None) and is logged
 once. The UUID is the link between CUDA and NVML: CUDA's default device order (FASTEST_FIRST) need not be
@@ -14,8 +14,8 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from kv_exporter.gpu import GpuReader, reason_of, shared_reader
 from kv_exporter.manifest import Baseline, DeviceInfo
-from kv_exporter.nvml import GpuReader, reason_of, shared_reader
 from kv_exporter.plugin.identity import GPU_UUID_PREFIX
 from kv_exporter.plugin.oncelog import warn_once
 

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kv_exporter.gpu import GpuReader
 from kv_exporter.manifest import (
     Manifest,
     ManifestError,
@@ -18,11 +19,10 @@ from kv_exporter.manifest import (
     parse_manifest,
     write_manifest,
 )
-from kv_exporter.nvml import GpuReader
 from kv_exporter.plugin import baseline, identity
 from kv_exporter.plugin.collect import collect, to_declarations
 from kv_exporter.plugin.oncelog import logger, warn_once
-from kv_exporter.plugin.settings import Settings
+from kv_exporter.plugin.settings import HookSettings
 
 MIB = 1 << 20
 # Errors that mean "this process may not write there" (not "the disk is full"): only these send a default
@@ -31,14 +31,14 @@ _NOT_PERMITTED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
 
 def publish(
-    runner: Any, phase: Phase, settings: Settings | None = None, reader: GpuReader | None = None
+    runner: Any, phase: Phase, settings: HookSettings | None = None, reader: GpuReader | None = None
 ) -> Path | None:
     """Publish `runner`'s declarations; the manifest path, or None when nothing was written.
 
     `reader` is the GPU reader for the baseline (default: the process's shared NVML reader).
     """
     try:
-        settings = settings or Settings.from_environ()
+        settings = settings or HookSettings.from_environ()
         if settings.disabled:
             return None
         manifest = build_manifest(runner, phase, settings, reader)
@@ -54,7 +54,7 @@ def publish(
         return None
 
 
-def build_manifest(runner: Any, phase: Phase, settings: Settings, reader: GpuReader | None = None) -> Manifest:
+def build_manifest(runner: Any, phase: Phase, settings: HookSettings, reader: GpuReader | None = None) -> Manifest:
     collector, pairs = collect(getattr(runner, "model", None), settings.collector)
     device, base = baseline.measure(runner, identity.device_info(runner), reader)
     manifest = Manifest(
@@ -74,7 +74,7 @@ def build_manifest(runner: Any, phase: Phase, settings: Settings, reader: GpuRea
     return manifest
 
 
-def write(manifest: Manifest, settings: Settings) -> Path | None:
+def write(manifest: Manifest, settings: HookSettings) -> Path | None:
     try:
         return write_manifest(settings.directory, manifest)
     except OSError as exc:

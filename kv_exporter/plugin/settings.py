@@ -8,14 +8,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kv_exporter.manifest import COLLECTORS
+from kv_exporter.manifest import COLLECTORS, DEFAULT_MANIFEST_DIR
 
 ENV_DISABLE = "KV_EXPORTER_DISABLE"
 ENV_DIR = "KV_EXPORTER_DIR"
 ENV_COLLECTOR = "KV_EXPORTER_COLLECTOR"
 
-# The folder the deploy artefacts share between the engine and the sidecar (an emptyDir in the pod).
-DEFAULT_MANIFEST_DIR = "/run/kv-exporter"
 # Used only when the default cannot be written (a non-root process outside the deploy); never for an explicit
 # KV_EXPORTER_DIR, which must not be silently redirected.
 FALLBACK_SUBDIR = "kv-exporter"
@@ -27,7 +25,7 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 
 
 @dataclass(frozen=True)
-class Settings:
+class HookSettings:
     disabled: bool
     directory: Path
     explicit_directory: bool  # KV_EXPORTER_DIR was set: no fallback
@@ -38,7 +36,7 @@ class Settings:
         return Path(tempfile.gettempdir()) / FALLBACK_SUBDIR
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> HookSettings:
         env = os.environ if environ is None else environ
         folder = env.get(ENV_DIR, "").strip()
         collector = env.get(ENV_COLLECTOR, COLLECTOR_AUTO).strip().lower() or COLLECTOR_AUTO

@@ -172,7 +172,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
 def test_sidecar_install_has_no_torch_and_runs(installed: tuple[Path, Path]) -> None:
     prefix, wheels = installed
     assert len(list(wheels.glob("kv_exporter-*.whl"))) == 1
-    out = run(str(prefix / "bin/python"), "-c", "import kv_exporter.cli, pynvml, yaml, bcrypt; print('ok')")
+    out = run(str(prefix / "bin/python"), "-c", "import kv_exporter.sidecar.cli, pynvml, yaml, bcrypt; print('ok')")
     assert out.strip() == "ok"
     for heavy in ("torch", "vllm", "transformers"):
         assert not list((prefix / "lib").glob(f"python*/site-packages/{heavy}")), heavy

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from kv_exporter.collector import Collection, Settings
-from kv_exporter.engine_page import EngineTarget
+from kv_exporter.gpu import SimulatedGpu
 from kv_exporter.manifest import write_manifest
-from kv_exporter.nvml import SimulatedGpu
 from kv_exporter.reference import QWEN3_TTS
-from kv_exporter.report import human_bytes
-from kv_exporter.server import ExporterApp, build_server, serve_in_thread
+from kv_exporter.sidecar.collection import Collection, CollectionSettings
+from kv_exporter.sidecar.engine_page import EngineTarget
+from kv_exporter.sidecar.http import ExporterApp, build_server, serve_in_thread
+from kv_exporter.sidecar.report import human_bytes
 from tests.unit.fake_engine import fake_engine, vllm_page_with
 from tests.unit.manifests import reference_manifest
 
@@ -100,7 +100,7 @@ def exporter_with_one_engine(tmp_path: Path) -> Iterator[str]:
     write_manifest(tmp_path, reference_manifest(QWEN3_TTS, max_num_seqs=256))
     gpu = SimulatedGpu(total=80 * GIB, used=60 * GIB, uuid=UUID0)
     with fake_engine(vllm_page_with(17, "Qwen3-TTS")) as engine:
-        collection = Collection(Settings(str(tmp_path), (EngineTarget.parse(engine.url),)), gpu, "pid:[1]")
+        collection = Collection(CollectionSettings(str(tmp_path), (EngineTarget.parse(engine.url),)), gpu, "pid:[1]")
         server = build_server("127.0.0.1:0", ExporterApp(collection))
         thread = serve_in_thread(server)
         try:

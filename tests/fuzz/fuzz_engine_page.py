@@ -1,4 +1,4 @@
-"""Coverage-guided fuzz target (atheris / libFuzzer) for the engine-page scanner (`kv_exporter.engine_page`).
+"""Coverage-guided fuzz target (atheris / libFuzzer) for the engine-page scanner (`kv_exporter.sidecar.engine_page`).
 
 Run through `make fuzz` (scripts/fuzz.sh), or directly in .venv-fuzz:
     .venv-fuzz/bin/python tests/fuzz/fuzz_engine_page.py -runs=100000 CORPUS_DIR

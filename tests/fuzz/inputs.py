@@ -11,9 +11,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kv_exporter.engine_page import EnginePageError, scan_page
 from kv_exporter.manifest import ManifestError, parse_manifest
 from kv_exporter.reference import REFERENCE_MODELS
+from kv_exporter.sidecar.engine_page import EnginePageError, scan_page
 from tests.unit.manifests import reference_manifest
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

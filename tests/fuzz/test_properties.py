@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kv_exporter.dtypes import ITEMSIZE
-from kv_exporter.engine_page import EngineKey, EnginePageError, scan_page
 from kv_exporter.manifest import (
     COLLECTORS,
     MAX_SAFE_INT,
@@ -32,6 +31,7 @@ from kv_exporter.manifest import (
     parse_manifest,
 )
 from kv_exporter.protocol import ModelLocalKVScope, RowDriver
+from kv_exporter.sidecar.engine_page import EngineKey, EnginePageError, scan_page
 from tests.fuzz.inputs import (
     check_engine_page,
     check_manifest,

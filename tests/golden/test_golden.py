@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from kv_exporter.collector import Collection, Settings
-from kv_exporter.engine_page import EngineTarget
+from kv_exporter.gpu import HOST_PID_NAMESPACE, SimulatedGpu
 from kv_exporter.manifest import write_manifest
-from kv_exporter.nvml import HOST_PID_NAMESPACE, SimulatedGpu
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
-from kv_exporter.server import ExporterApp, build_server, serve_in_thread
+from kv_exporter.sidecar.collection import Collection, CollectionSettings
+from kv_exporter.sidecar.engine_page import EngineTarget
+from kv_exporter.sidecar.http import ExporterApp, build_server, serve_in_thread
 from tests.unit.fake_engine import OMNI_MODEL, OMNI_PAGE, VLLM_MODEL, VLLM_PAGE, closed_port_url, fake_engine
 from tests.unit.manifests import reference_manifest
 
@@ -63,7 +63,7 @@ def scrape(folder: Path, page: bytes) -> str:
     down = closed_port_url()
     with fake_engine(page) as engine:
         targets = (EngineTarget.parse(engine.url), EngineTarget.parse(down))
-        collection = Collection(Settings(str(folder), targets), gpu, our_namespace=SIDECAR_NS)
+        collection = Collection(CollectionSettings(str(folder), targets), gpu, our_namespace=SIDECAR_NS)
         server = build_server("127.0.0.1:0", ExporterApp(collection))
         thread = serve_in_thread(server)
         try:

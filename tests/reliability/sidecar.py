@@ -94,7 +94,7 @@ def sidecar(workdir: Path, *args: str, permission_bits: bool = False, prelude: s
     log_path = workdir / f"sidecar-{next(_counter)}.log"
     entry = ["-m", "kv_exporter"]
     if prelude:
-        entry = ["-c", f"{prelude}\nimport sys\nfrom kv_exporter.cli import main\nsys.exit(main(sys.argv[1:]))"]
+        entry = ["-c", f"{prelude}\nimport sys\nfrom kv_exporter.sidecar.cli import main\nsys.exit(main(sys.argv[1:]))"]
     command = [sys.executable, *entry, "serve", "--listen-address", "127.0.0.1:0", *args]
     if permission_bits and os.geteuid() == 0:
         command = [*DROP_FILE_CAPABILITIES, *command]

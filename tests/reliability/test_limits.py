@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kv_exporter.cli import build_parser
-from kv_exporter.families import declaration_families, engine_families
 from kv_exporter.manifest import Manifest, write_manifest
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
-from kv_exporter.snapshot import SERIES_PER_DECLARATION, SERIES_PER_ENGINE
+from kv_exporter.sidecar.cli import build_parser
+from kv_exporter.sidecar.families import declaration_families, engine_families
+from kv_exporter.sidecar.snapshot import SERIES_PER_DECLARATION, SERIES_PER_ENGINE
 from tests.reliability.sidecar import SIMULATED_GPU, live_manifest, sidecar, switchable_engine
 from tests.unit.test_server import Samples, pick
 

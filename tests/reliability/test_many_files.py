@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kv_exporter.manifest import manifest_filename, write_manifest
 from kv_exporter.reference import MINICPM_O
-from kv_exporter.snapshot import DEFAULT_MAX_SERIES, manifest_series
+from kv_exporter.sidecar.snapshot import DEFAULT_MAX_SERIES, manifest_series
 from tests.reliability.sidecar import SIMULATED_GPU, Sidecar, live_manifest, sidecar
 from tests.unit.test_server import Samples, pick
 

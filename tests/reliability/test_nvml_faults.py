@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pynvml
 
+from kv_exporter.gpu import NvmlReader
 from kv_exporter.manifest import write_manifest
-from kv_exporter.nvml import NvmlReader
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS
 from tests.reliability.sidecar import MODEL, live_manifest, sidecar, switchable_engine
 from tests.unit.manifests import reference_manifest

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import bcrypt
 
-from kv_exporter.webconfig import RELOAD_CHECK_INTERVAL_S, RELOAD_METRIC
+from kv_exporter.web.reload import RELOAD_CHECK_INTERVAL_S, RELOAD_METRIC
 from tests.reliability.sidecar import REPO, Sidecar, sidecar
 from tests.unit.test_server import absent, pick
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_exporter.cli import main, parse_simulated_gpu, parse_size
 from kv_exporter.manifest import write_manifest
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS, REFERENCE_MODELS
-from kv_exporter.report import human_bytes
-from kv_exporter.webconfig import RELOAD_METRIC
+from kv_exporter.sidecar.cli import main, parse_simulated_gpu, parse_size
+from kv_exporter.sidecar.report import human_bytes
+from kv_exporter.web.reload import RELOAD_METRIC
 from tests.unit.manifests import reference_manifest
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -153,7 +153,7 @@ def test_serve_starts_fast_and_small(tmp_path: Path) -> None:
             [
                 sys.executable,
                 "-c",
-                "import kv_exporter.cli, kv_exporter.server, sys; print(sorted(sys.modules))",
+                "import kv_exporter.sidecar.cli, kv_exporter.sidecar.http, sys; print(sorted(sys.modules))",
             ],
             capture_output=True,
             text=True,
@@ -203,7 +203,7 @@ def test_demo_shows_every_contract_metric() -> None:
 
 
 def test_demo_running_count_moves() -> None:
-    from kv_exporter.demo import demo_engines
+    from kv_exporter.sidecar.demo import demo_engines
 
     qwen = demo_engines()[0]
     counts = {qwen.running(t) for t in range(0, 60, 5)}

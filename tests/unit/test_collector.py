@@ -1,4 +1,4 @@
-"""kv_exporter.collector: the arithmetic, the fallbacks and the manifest cache, from real manifests."""
+"""kv_exporter.sidecar.collection: the arithmetic, the fallbacks and the manifest cache, from real manifests."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_exporter.collector import Collection, ManifestStore, Settings, SingleFlight, assess
-from kv_exporter.engine_page import EngineTarget, scan_page
-from kv_exporter.families import families
-from kv_exporter.liveness import State
+from kv_exporter.gpu import GpuMemory, SimulatedGpu
 from kv_exporter.manifest import Manifest, write_manifest
-from kv_exporter.nvml import GpuMemory, SimulatedGpu
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
-from kv_exporter.snapshot import (
+from kv_exporter.sidecar.collection import Collection, CollectionSettings, ManifestStore, SingleFlight, assess
+from kv_exporter.sidecar.engine_page import EngineTarget, scan_page
+from kv_exporter.sidecar.families import families
+from kv_exporter.sidecar.liveness import State
+from kv_exporter.sidecar.snapshot import (
     DeclarationView,
     GpuResult,
     ManifestEntry,
@@ -278,7 +278,7 @@ def test_collection_end_to_end(tmp_path: Path) -> None:
     write_manifest(tmp_path, reference_manifest(QWEN3_TTS, max_num_seqs=256))
     gpu = SimulatedGpu(total=80 * GIB, used=60 * GIB, uuid=UUID0)
     with fake_engine(vllm_page_with(17, "Qwen3-TTS")) as engine:
-        settings = Settings(str(tmp_path), (EngineTarget.parse(engine.url),))
+        settings = CollectionSettings(str(tmp_path), (EngineTarget.parse(engine.url),))
         collection = Collection(settings, gpu, our_namespace=OTHER_NS)
         try:
             snap = collection.snapshot()

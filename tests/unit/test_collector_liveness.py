@@ -1,4 +1,4 @@
-"""The stale-manifest rule (kv_exporter.liveness) against real processes in this pid namespace."""
+"""The stale-manifest rule (kv_exporter.sidecar.liveness) against real processes in this pid namespace."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import subprocess
 import sys
 from dataclasses import replace
 
-from kv_exporter.liveness import State, classify
 from kv_exporter.manifest import Manifest, ProcessInfo, current_pid_namespace, process_start_ticks
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS
+from kv_exporter.sidecar.liveness import State, classify
 from tests.unit.manifests import reference_manifest
 
 OURS = current_pid_namespace()

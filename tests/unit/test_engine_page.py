@@ -1,4 +1,4 @@
-"""kv_exporter.engine_page: the scanner on real recorded pages and on garbage; fetches from real servers."""
+"""kv_exporter.sidecar.engine_page: the scanner on real recorded pages and on garbage; fetches from real servers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_exporter.engine_page import (
+from kv_exporter.sidecar.engine_page import (
     EngineKey,
     EnginePageError,
     EngineTarget,

@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
-from kv_exporter.collector import Collection, Settings
-from kv_exporter.engine_page import EngineTarget
-from kv_exporter.families import GaugeRows
 from kv_exporter.manifest import write_manifest
 from kv_exporter.reference import QWEN3_TTS
-from kv_exporter.server import ExporterApp, Exposition, _Fixed
+from kv_exporter.sidecar.app import ExporterApp
+from kv_exporter.sidecar.collection import Collection, CollectionSettings
+from kv_exporter.sidecar.engine_page import EngineTarget
+from kv_exporter.sidecar.exposition import Exposition, Fixed
+from kv_exporter.sidecar.families import GaugeRows
 from tests.unit.fake_engine import fake_engine, vllm_page_with
 from tests.unit.manifests import reference_manifest
 
@@ -59,7 +60,7 @@ def families(draw: st.DrawFn) -> list[Metric]:
 
 def expected(metrics: list[Metric], accept: str) -> tuple[bytes, str]:
     encoder, content_type = choose_encoder(accept)
-    return encoder(_Fixed(metrics)), content_type
+    return encoder(Fixed(metrics)), content_type
 
 
 @settings(max_examples=300, deadline=None)
@@ -126,7 +127,7 @@ def test_rows_family_samples_are_prometheus_client_samples() -> None:
 def test_concurrent_scrapes_share_one_rendering(tmp_path: Path) -> None:
     write_manifest(tmp_path, reference_manifest(QWEN3_TTS))
     with fake_engine(vllm_page_with(2, "Qwen3-TTS"), delay_s=0.5) as engine:
-        settings = Settings(str(tmp_path), (EngineTarget.parse(engine.url),), fetch_timeout_s=3)
+        settings = CollectionSettings(str(tmp_path), (EngineTarget.parse(engine.url),), fetch_timeout_s=3)
         app = ExporterApp(Collection(settings, None))
         rendered: list[str] = []
         render = app.exposition.render

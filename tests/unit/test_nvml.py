@@ -1,4 +1,4 @@
-"""kv_exporter.nvml: the real binding without a GPU, and a stand-in binding raising the REAL error classes."""
+"""kv_exporter.gpu: the real binding without a GPU, and a stand-in binding raising the REAL error classes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pynvml
 import pytest
 
 from kv_exporter import nvml
-from kv_exporter.nvml import GpuReadError, NvmlReader, SimulatedGpu
+from kv_exporter.gpu import GpuReadError, NvmlReader, SimulatedGpu
 
 GIB = 1 << 30
 

@@ -24,13 +24,13 @@ import pytest
 import torch
 from torch import nn
 
+from kv_exporter.gpu import NvmlReader, SimulatedGpu
 from kv_exporter.manifest import Phase, manifest_filename, read_manifest
-from kv_exporter.nvml import NvmlReader, SimulatedGpu
 from kv_exporter.plugin import collect as plugin_collect
 from kv_exporter.plugin import publish as publish_module
 from kv_exporter.plugin.oncelog import reset_for_tests
 from kv_exporter.plugin.publish import publish
-from kv_exporter.plugin.settings import Settings
+from kv_exporter.plugin.settings import HookSettings
 from kv_exporter.protocol import ModelLocalKVScope, ModelLocalKVSpec, RowDriver
 
 MAX_NUM_SEQS = 6
@@ -89,8 +89,8 @@ def two_owner_model() -> nn.Module:
     return model
 
 
-def settings_for(folder: Path | str, explicit: bool = True, collector: str = "kv_exporter") -> Settings:
-    return Settings(disabled=False, directory=Path(folder), explicit_directory=explicit, collector=collector)
+def settings_for(folder: Path | str, explicit: bool = True, collector: str = "kv_exporter") -> HookSettings:
+    return HookSettings(disabled=False, directory=Path(folder), explicit_directory=explicit, collector=collector)
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -253,20 +253,20 @@ def test_the_default_folder_falls_back_when_not_permitted(
 
 
 def test_disabled_publishes_nothing(tmp_path: Path) -> None:
-    disabled = Settings(disabled=True, directory=tmp_path, explicit_directory=True, collector="auto")
+    disabled = HookSettings(disabled=True, directory=tmp_path, explicit_directory=True, collector="auto")
     assert publish(runner(two_owner_model()), Phase.LOAD, disabled) is None
     assert list(tmp_path.iterdir()) == []
 
 
 def test_settings_from_the_environment() -> None:
-    assert Settings.from_environ({}).directory == Path("/run/kv-exporter")
-    assert Settings.from_environ({}).explicit_directory is False
-    assert Settings.from_environ({"KV_EXPORTER_DIR": "/x"}) == Settings(False, Path("/x"), True, "auto")
-    assert Settings.from_environ({"KV_EXPORTER_DISABLE": "1"}).disabled
-    assert Settings.from_environ({"KV_EXPORTER_DISABLE": "TRUE"}).disabled
-    assert not Settings.from_environ({"KV_EXPORTER_DISABLE": "0"}).disabled
-    assert Settings.from_environ({"KV_EXPORTER_COLLECTOR": "kv_exporter"}).collector == "kv_exporter"
-    assert Settings.from_environ({"KV_EXPORTER_COLLECTOR": "bogus"}).collector == "auto"
+    assert HookSettings.from_environ({}).directory == Path("/run/kv-exporter")
+    assert HookSettings.from_environ({}).explicit_directory is False
+    assert HookSettings.from_environ({"KV_EXPORTER_DIR": "/x"}) == HookSettings(False, Path("/x"), True, "auto")
+    assert HookSettings.from_environ({"KV_EXPORTER_DISABLE": "1"}).disabled
+    assert HookSettings.from_environ({"KV_EXPORTER_DISABLE": "TRUE"}).disabled
+    assert not HookSettings.from_environ({"KV_EXPORTER_DISABLE": "0"}).disabled
+    assert HookSettings.from_environ({"KV_EXPORTER_COLLECTOR": "kv_exporter"}).collector == "kv_exporter"
+    assert HookSettings.from_environ({"KV_EXPORTER_COLLECTOR": "bogus"}).collector == "auto"
 
 
 class LibraryNotFound:

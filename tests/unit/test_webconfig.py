@@ -14,15 +14,9 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from kv_exporter.webconfig import (
-    ALLOWED_HEADERS,
-    BCRYPT_MAX_PASSWORD_BYTES,
-    UNSUPPORTED,
-    WebConfig,
-    WebConfigError,
-    WebConfigReloader,
-    parse_basic_authorization,
-)
+from kv_exporter.web.auth import BCRYPT_MAX_PASSWORD_BYTES, parse_basic_authorization
+from kv_exporter.web.config import ALLOWED_HEADERS, UNSUPPORTED, WebConfig, WebConfigError
+from kv_exporter.web.reload import WebConfigReloader
 from tests.unit.test_webconfig_pki import PKI, make_pki
 
 # Cost 4 (bcrypt's minimum) keeps the tests fast; one test uses the toolkit's documented cost 10.
@@ -354,7 +348,7 @@ def test_an_invalid_new_file_keeps_the_last_good_config_and_logs_once(
     reloader = WebConfigReloader(path, interval=1.0, clock=clock)
     good = reloader.current()
     replace(path, "basic_auth_users:\n  a: not-a-hash\n")
-    with caplog.at_level(logging.ERROR, logger="kv_exporter.webconfig"):
+    with caplog.at_level(logging.ERROR, logger="kv_exporter.web.config"):
         for _ in range(5):
             clock.now += 2
             assert reloader.current() is good

@@ -1,7 +1,7 @@
-"""The web config on a real socket: TLS clients (Python's ssl and curl) against a small ThreadingHTTPServer that
-uses the same seam the exporter's server uses (WebConfigServerMixin + WebConfigHandlerMixin, or the WSGI
-middleware). Right and wrong passwords, missing and foreign client certificates, plain HTTP to the TLS port, TLS
-to the plain port, version and cipher limits, live reloads, and a stalled client that must not block others."""
+"""The web config on a real socket, as `kv-exporter serve --web.config.file` wires it: the exporter's own server
+(`kv_exporter.sidecar.http.build_server` with a `WebConfigReloader`), scraped by TLS clients (Python's ssl and curl).
+Right and wrong passwords, missing and foreign client certificates, plain HTTP to the TLS port, TLS to the plain port,
+version and cipher limits, live reloads, and a stalled client that must not block others."""
 
 from __future__ import annotations
 
@@ -12,73 +12,43 @@ import shutil
 import socket
 import ssl
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import bcrypt
 import pytest
-from prometheus_client import CollectorRegistry, Gauge, make_wsgi_app
 
-from kv_exporter.webconfig import (
-    PLAIN_HTTP_TO_TLS_RESPONSE,
-    WebConfigHandlerMixin,
-    WebConfigMiddleware,
-    WebConfigReloader,
-    WebConfigServerMixin,
-)
+from kv_exporter.manifest import write_manifest
+from kv_exporter.sidecar.app import ExporterApp
+from kv_exporter.sidecar.collection import Collection, CollectionSettings
+from kv_exporter.sidecar.http import ExporterServer, build_server, serve_in_thread
+from kv_exporter.web.reload import WebConfigReloader
+from kv_exporter.web.tls import PLAIN_HTTP_TO_TLS_RESPONSE
+from tests.unit.manifests import reference_manifest
 from tests.unit.test_webconfig_pki import PKI, Issued, client_context, make_pki
 
 PASSWORD = "correct horse"
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
-BODY = b"kv_exporter_test_metric 1\n"
+METRICS = b"model_local_kv_exporter_build_info{"  # on every page the exporter serves
 TIMEOUT_S = 10
 
 
-class Server(WebConfigServerMixin, ThreadingHTTPServer):
-    daemon_threads = True
-    handshake_timeout_s = 3.0
-
-
-class Handler(WebConfigHandlerMixin):
-    def do_GET(self) -> None:
-        if not self.authorize():
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(BODY)))
-        self.end_headers()
-        self.wfile.write(BODY)
-
-    def do_POST(self) -> None:  # the exporter writes nothing: every other method is refused
-        self.send_error(405)
-
-    def log_message(self, format: str, *args: object) -> None:  # keep pytest output clean
-        pass
-
-
-class WSGIServerTLS(WebConfigServerMixin, WSGIServer):
-    daemon_threads = True
-
-
-Serve = Callable[..., "Running"]
-
-
 class Running:
-    def __init__(self, server: WebConfigServerMixin, thread: threading.Thread) -> None:
+    def __init__(self, server: ExporterServer, collection: Collection) -> None:
         self.server = server
-        self.thread = thread
-        address: Any = server.server_address
-        self.host, self.port = str(address[0]), int(address[1])
+        self.collection = collection
+        self.thread = serve_in_thread(server)
+        self.host, self.port = "127.0.0.1", int(server.server_address[1])
 
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(TIMEOUT_S)
+        self.collection.close()
+
+
+Serve = Callable[[str], Running]
 
 
 @pytest.fixture(scope="module")
@@ -87,30 +57,27 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
 
 
 @pytest.fixture
-def serve(tmp_path: Path) -> Iterator[Callable[..., Running]]:
+def serve(tmp_path: Path) -> Iterator[Serve]:
     running: list[Running] = []
+    manifests = tmp_path / "manifests"
+    write_manifest(manifests, reference_manifest())
 
-    def start(text: str, *, wsgi: bool = False) -> Running:
+    def start(text: str) -> Running:
         path = tmp_path / "web.yml"
         path.write_text(text)
         reloader = WebConfigReloader(path, interval=0.0)  # re-check on every request: reload tests stay fast
-        server: WebConfigServerMixin
-        if wsgi:
-            registry = CollectorRegistry()
-            Gauge("kv_exporter_test_metric", "a test gauge", registry=registry).set(1)
-            server = WSGIServerTLS(("127.0.0.1", 0), WSGIRequestHandler)
-            server.set_app(WebConfigMiddleware(make_wsgi_app(registry), reloader))
-        else:
-            server = Server(("127.0.0.1", 0), Handler)
-        server.web_config = reloader
-        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        thread.start()
-        running.append(Running(server, thread))
+        collection = Collection(CollectionSettings(manifest_dir=str(manifests)), None)
+        server = build_server("127.0.0.1:0", ExporterApp(collection), reloader)
+        server.handshake_timeout_s = 3.0
+        running.append(Running(server, collection))
         return running[-1]
 
     yield start
     for item in running:
         item.stop()
+
+
+REQUIRE_CLIENT_CERT = "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {ca}\n"
 
 
 def tls_config(pki: PKI, extra: str = "") -> str:
@@ -154,7 +121,7 @@ def test_right_password_over_tls_gets_the_metrics_and_the_headers(pki: PKI, serv
         + f"basic_auth_users:\n  prometheus: {HASH}\n"
     )
     status, headers, body = get(running, client_context(pki), basic("prometheus", PASSWORD))
-    assert (status, body) == (200, BODY)
+    assert status == 200 and METRICS in body
     assert headers["X-Content-Type-Options"] == "nosniff"
 
 
@@ -172,7 +139,7 @@ def test_wrong_or_missing_credentials_get_401(pki: PKI, serve: Serve, headers: d
     assert status == 401
     assert response_headers["WWW-Authenticate"] == "Basic"
     assert response_headers["X-Frame-Options"] == "deny"  # headers go on refusals too, as in the toolkit
-    assert BODY not in body
+    assert METRICS not in body
 
 
 def test_basic_auth_without_tls_works_on_plain_http(serve: Serve) -> None:
@@ -181,19 +148,23 @@ def test_basic_auth_without_tls_works_on_plain_http(serve: Serve) -> None:
     assert get(running, None, basic("prometheus", "nope"))[0] == 401
 
 
-def test_no_endpoint_accepts_a_write(pki: PKI, serve: Serve) -> None:
-    running = serve(tls_config(pki))
-    conn = http.client.HTTPSConnection(running.host, running.port, timeout=TIMEOUT_S, context=client_context(pki))
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE"])
+def test_no_endpoint_accepts_a_write(pki: PKI, serve: Serve, method: str) -> None:
+    running = serve(
+        tls_config(pki, REQUIRE_CLIENT_CERT.format(ca=pki.ca.cert)) + f"basic_auth_users:\n  prometheus: {HASH}\n"
+    )
+    conn = http.client.HTTPSConnection(
+        running.host, running.port, timeout=TIMEOUT_S, context=client_context(pki, pki.client)
+    )
     try:
-        conn.request("POST", "/metrics", body=b"x")
-        assert conn.getresponse().status == 405
+        conn.request(method, "/metrics", body=b"x", headers=basic("prometheus", PASSWORD))
+        response = conn.getresponse()
+        assert response.status in (405, 501) and METRICS not in response.read()
     finally:
         conn.close()
 
 
 # -- client certificates ------------------------------------------------------------------------------------------
-
-REQUIRE_CLIENT_CERT = "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: {ca}\n"
 
 
 def test_a_required_client_certificate_lets_its_holder_in(pki: PKI, serve: Serve) -> None:
@@ -337,25 +308,6 @@ def test_a_rotated_server_certificate_is_served_to_new_connections(tmp_path: Pat
     handshake_refused(running, client_context(own))
 
 
-# -- the WSGI middleware, with prometheus_client's own app ----------------------------------------------------------
-
-
-def test_the_wsgi_middleware_guards_prometheus_client_s_app(pki: PKI, serve: Serve) -> None:
-    running = serve(
-        tls_config(pki, REQUIRE_CLIENT_CERT.format(ca=pki.ca.cert))
-        + "http_server_config:\n  headers:\n    X-Frame-Options: sameorigin\n"
-        + f"basic_auth_users:\n  prometheus: {HASH}\n",
-        wsgi=True,
-    )
-    context = client_context(pki, pki.client)
-    status, headers, body = get(running, context, basic("prometheus", PASSWORD))
-    assert status == 200 and b"kv_exporter_test_metric 1.0" in body
-    assert headers["X-Frame-Options"] == "sameorigin"
-    status, headers, _ = get(running, context, basic("prometheus", "wrong"))
-    assert status == 401 and headers["WWW-Authenticate"] == "Basic"
-    handshake_refused(running, client_context(pki))
-
-
 # -- curl, a second independent TLS client -------------------------------------------------------------------------
 
 CURL = shutil.which("curl")
@@ -376,8 +328,8 @@ def test_curl_with_certificate_and_password(pki: PKI, serve: Serve) -> None:
         tls_config(pki, REQUIRE_CLIENT_CERT.format(ca=pki.ca.cert)) + f"basic_auth_users:\n  prometheus: {HASH}\n"
     )
     ok = curl(running, pki, pki.client, "-u", f"prometheus:{PASSWORD}", "-w", "%{http_code}")
-    assert ok.returncode == 0 and ok.stdout == BODY.decode() + "200", ok
+    assert ok.returncode == 0 and METRICS.decode() in ok.stdout and ok.stdout.endswith("200"), ok
     wrong = curl(running, pki, pki.client, "-u", "prometheus:nope", "-o", "/dev/null", "-w", "%{http_code}")
     assert wrong.stdout == "401", wrong
     no_cert = curl(running, pki, None, "-u", f"prometheus:{PASSWORD}")
-    assert no_cert.returncode != 0 and BODY.decode() not in no_cert.stdout, no_cert
+    assert no_cert.returncode != 0 and METRICS.decode() not in no_cert.stdout, no_cert

@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import http.client
 import math
-import ssl
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -236,14 +235,13 @@ def fetch_page(
     target: EngineTarget,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     max_bytes: int = DEFAULT_MAX_PAGE_BYTES,
-    ssl_context: ssl.SSLContext | None = None,
 ) -> bytes:
     """GET the page within `timeout_s` in total (not per read: a trickling server is cut off too)."""
     deadline = time.monotonic() + timeout_s
     parts = urllib.parse.urlsplit(target.url)
     conn: http.client.HTTPConnection
     if parts.scheme == "https":
-        conn = http.client.HTTPSConnection(parts.netloc, timeout=timeout_s, context=ssl_context)
+        conn = http.client.HTTPSConnection(parts.netloc, timeout=timeout_s)
     else:
         conn = http.client.HTTPConnection(parts.netloc, timeout=timeout_s)
     try:

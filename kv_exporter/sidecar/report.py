@@ -10,23 +10,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kv_exporter.collector import ManifestStore, assess
-from kv_exporter.manifest import Declaration, Manifest, ManifestError, current_pid_namespace
-from kv_exporter.snapshot import ManifestEntry
-
-_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def human_bytes(value: int) -> str:
-    """IEC units, two decimals (4,653,056 -> "4.44 MiB"); exact below 1 KiB; keeps the sign."""
-    if abs(value) < 1024:
-        return f"{value} B"
-    scaled = float(value)
-    for unit in _UNITS:
-        scaled /= 1024
-        if abs(scaled) < 1024 or unit == _UNITS[-1]:
-            return f"{scaled:.2f} {unit}"
-    raise AssertionError("unreachable")
+from kv_exporter.manifest import Declaration, Manifest, ManifestError
+from kv_exporter.procfs import current_pid_namespace
+from kv_exporter.sidecar.inputs import ManifestStore, assess
+from kv_exporter.sidecar.snapshot import ManifestEntry
+from kv_exporter.sidecar.units import human_bytes
 
 
 @dataclass(frozen=True)

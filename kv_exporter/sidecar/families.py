@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.samples import Sample, Timestamp
 
 from kv_exporter import __version__
-from kv_exporter.snapshot import DeclarationView, EngineView, GpuView, PageResult, Snapshot
+from kv_exporter.sidecar.exposition import GaugeRows
+from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, PageResult, Snapshot
 
 # -- metric families -----------------------------------------------------------------------------------------
 
@@ -22,39 +22,6 @@ SAFE_MAX_NUM_SEQS_HELP = (
     "live max_num_seqs-driven declarations of bytes_per_row * max(0, M - estimated rows) <= total. "
     "Assumes NVML used already holds the estimated and fixed rows and nothing else on the GPU grows."
 )
-
-
-class GaugeRows(GaugeMetricFamily):
-    """A gauge family that keeps its series as (label values, value) rows.
-
-    prometheus_client's `Sample` objects (a label dict each) are built only when something asks for `samples`;
-    the exporter's own exposition (`server.Exposition`) reads `rows`. On a page of a few hundred declaration
-    series, making and re-reading those dicts was a third of the scrape (docs/benchmarks.md, target 1).
-    """
-
-    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
-        self.label_names = tuple(labels)
-        self.rows: list[tuple[tuple[str, ...], float]] = []
-        super().__init__(name, documentation, labels=list(labels))
-
-    def add_metric(self, labels: Sequence[str], value: float, timestamp: float | Timestamp | None = None) -> None:
-        if timestamp is not None or len(labels) != len(self.label_names):
-            raise ValueError(f"{self.name}: want {len(self.label_names)} label values and no timestamp")
-        self.rows.append((tuple(labels), value))
-
-    @property
-    def samples(self) -> list[Sample]:
-        names = self.label_names
-        return [Sample(self.name, dict(zip(names, labels, strict=True)), value) for labels, value in self.rows]
-
-    @samples.setter
-    def samples(self, value: list[Sample]) -> None:
-        if value:  # Metric.__init__ sets [], which is all there is to set
-            raise AttributeError(f"{self.name}: add series with add_metric")
-
-
-def _gauge(name: str, doc: str, labels: Sequence[str]) -> GaugeRows:
-    return GaugeRows(name, doc, labels)
 
 
 def _declaration_labels(view: DeclarationView) -> tuple[str, ...]:
@@ -73,22 +40,22 @@ def _declaration_labels(view: DeclarationView) -> tuple[str, ...]:
 
 
 def declaration_families(views: Sequence[DeclarationView]) -> list[Metric]:
-    per_row = _gauge("model_local_kv_bytes_per_row", "Bytes in one row.", DECLARATION_LABELS)
-    ceiling = _gauge(
+    per_row = GaugeRows("model_local_kv_bytes_per_row", "Bytes in one row.", DECLARATION_LABELS)
+    ceiling = GaugeRows(
         "model_local_kv_ceiling_bytes",
         "Bytes at the engine's max_num_seqs rows (rows_fixed for driver=fixed).",
         DECLARATION_LABELS,
     )
-    estimate = _gauge(
+    estimate = GaugeRows(
         "model_local_kv_estimated_bytes",
         "Bytes at the live running count capped at max_num_seqs (rows_fixed for driver=fixed; 0 rows for "
         "driver=max_num_seqs while the engine cannot be read).",
         DECLARATION_LABELS,
     )
-    positions = _gauge(
+    positions = GaugeRows(
         "model_local_kv_capacity_positions", "Positions one row can physically hold.", DECLARATION_LABELS
     )
-    info = _gauge(
+    info = GaugeRows(
         "model_local_kv_declaration_info",
         "Declaration metadata (value 1).",
         DECLARATION_LABELS + INFO_EXTRA_LABELS,
@@ -113,14 +80,14 @@ def _merge_duplicates(views: Iterable[DeclarationView]) -> dict[tuple[str, ...],
 
 
 def engine_families(engines: Sequence[EngineView], pages: Sequence[PageResult]) -> list[Metric]:
-    running = _gauge(
+    running = GaugeRows(
         "model_local_kv_running_sequences",
         "Running sequences read from the engine's metrics page (per stage capped by the pipeline gauge).",
         ENGINE_LABELS,
     )
-    max_seqs = _gauge("model_local_kv_max_num_seqs", "max_num_seqs from its manifests.", ENGINE_LABELS)
-    up = _gauge("model_local_kv_engine_up", "1 if its running count was read this scrape.", ENGINE_LABELS)
-    manifests = _gauge(
+    max_seqs = GaugeRows("model_local_kv_max_num_seqs", "max_num_seqs from its manifests.", ENGINE_LABELS)
+    up = GaugeRows("model_local_kv_engine_up", "1 if its running count was read this scrape.", ENGINE_LABELS)
+    manifests = GaugeRows(
         "model_local_kv_engine_manifests",
         "Live valid manifests matched to this engine (0: the engine runs but declares nothing here).",
         ENGINE_LABELS,
@@ -133,32 +100,32 @@ def engine_families(engines: Sequence[EngineView], pages: Sequence[PageResult]) 
             max_seqs.add_metric(labels, view.max_num_seqs)
         up.add_metric(labels, int(view.up))
         manifests.add_metric(labels, view.manifests)
-    page_up = _gauge("model_local_kv_engine_page_up", "1 if the page was fetched and read.", ("target",))
+    page_up = GaugeRows("model_local_kv_engine_page_up", "1 if the page was fetched and read.", ("target",))
     for page in pages:
         page_up.add_metric((page.target,), int(page.page is not None))
     return [running, max_seqs, up, manifests, page_up]
 
 
 def gpu_families(gpus: Sequence[GpuView]) -> list[Metric]:
-    total = _gauge("model_local_kv_gpu_memory_total_bytes", "GPU memory total (NVML).", GPU_LABELS)
-    used = _gauge("model_local_kv_gpu_memory_used_bytes", "GPU memory used (NVML).", GPU_LABELS)
-    free = _gauge("model_local_kv_gpu_memory_free_bytes", "GPU memory free (NVML).", GPU_LABELS)
-    process = _gauge(
+    total = GaugeRows("model_local_kv_gpu_memory_total_bytes", "GPU memory total (NVML).", GPU_LABELS)
+    used = GaugeRows("model_local_kv_gpu_memory_used_bytes", "GPU memory used (NVML).", GPU_LABELS)
+    free = GaugeRows("model_local_kv_gpu_memory_free_bytes", "GPU memory free (NVML).", GPU_LABELS)
+    process = GaugeRows(
         "model_local_kv_gpu_process_memory_bytes",
         "GPU memory NVML reports for a manifest's process (only where the pids are comparable).",
         (*GPU_LABELS, "pid"),
     )
-    peak = _gauge(
+    peak = GaugeRows(
         "model_local_kv_gpu_projected_peak_bytes",
         "NVML used + sum over this GPU's live declarations of (ceiling - estimate).",
         GPU_LABELS,
     )
-    headroom = _gauge(
+    headroom = GaugeRows(
         "model_local_kv_gpu_headroom_bytes",
         "total - projected peak (negative: it would not fit).",
         GPU_LABELS,
     )
-    safe = _gauge("model_local_kv_gpu_safe_max_num_seqs", SAFE_MAX_NUM_SEQS_HELP, GPU_LABELS)
+    safe = GaugeRows("model_local_kv_gpu_safe_max_num_seqs", SAFE_MAX_NUM_SEQS_HELP, GPU_LABELS)
     for view in gpus:
         labels = (str(view.memory.index), view.memory.uuid, view.source)
         total.add_metric(labels, view.memory.total)
@@ -179,7 +146,7 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
         "1 if the GPU reader (NVML or simulated) answered this scrape.",
         value=int(snapshot.gpu.up),
     )
-    manifests = _gauge("model_local_kv_manifests", "Manifest files by state.", ("state",))
+    manifests = GaugeRows("model_local_kv_manifests", "Manifest files by state.", ("state",))
     for state, count in snapshot.manifest_counts().items():
         manifests.add_metric((state.value,), count)
     manifest_errors = _counter(
@@ -208,7 +175,7 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
     duration = GaugeMetricFamily(
         "model_local_kv_scrape_duration_seconds", "Seconds the collection took.", value=snapshot.duration_s
     )
-    build = _gauge("model_local_kv_exporter_build_info", "kv-exporter version (value 1).", ("version",))
+    build = GaugeRows("model_local_kv_exporter_build_info", "kv-exporter version (value 1).", ("version",))
     build.add_metric((__version__,), 1)
     return [nvml_up, manifests, manifest_errors, page_errors, nvml_errors, dropped, duration, build]
 

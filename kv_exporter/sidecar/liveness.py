@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from kv_exporter.manifest import Manifest, process_start_ticks
+from kv_exporter.manifest import Manifest
+from kv_exporter.procfs import process_start_ticks
 
 
 class State(str, Enum):

@@ -11,8 +11,8 @@ import time
 from collections.abc import Iterable, Sequence
 
 from kv_exporter import __version__
-from kv_exporter.report import human_bytes
-from kv_exporter.snapshot import DeclarationView, EngineView, GpuView, ManifestEntry, PageResult, Snapshot
+from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, ManifestEntry, PageResult, Snapshot
+from kv_exporter.sidecar.units import human_bytes
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #1b1b1b; }

@@ -20,13 +20,10 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
-from kv_exporter.manifest import current_pid_namespace
+from kv_exporter.procfs import HOST_PID_NAMESPACE, current_pid_namespace
 
 SOURCE_NVML = "nvml"
 SOURCE_SIMULATED = "simulated"
-
-# NVML reports pids as the host sees them: in the initial pid namespace (the kernel's PROC_PID_INIT_INO).
-HOST_PID_NAMESPACE = "pid:[4026531836]"
 
 # Error codes meaning the library or driver as a whole is unusable (as opposed to one device failing).
 _WHOLE_LIBRARY_REASONS = frozenset(
@@ -253,19 +250,3 @@ def shared_reader() -> NvmlReader:
         if _shared is None:
             _shared = NvmlReader()
         return _shared
-
-
-def device_uuid(index: int, reader: GpuReader | None = None) -> str | None:
-    """The UUID of NVML device `index`, or None when it cannot be read (for the hook: never raises)."""
-    try:
-        return (reader or shared_reader()).device(index).uuid
-    except Exception:  # the hook must not break an engine over a missing driver or binding
-        return None
-
-
-def process_used_bytes(index: int, pid: int, reader: GpuReader | None = None) -> int | None:
-    """NVML's used bytes for `pid` (a host pid) on device `index`, or None when unknown. Never raises."""
-    try:
-        return (reader or shared_reader()).process_memory(index).get(pid)
-    except Exception:  # see device_uuid
-        return None

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from kv_exporter.collector import Collection, Settings
-from kv_exporter.engine_page import EngineTarget
+from kv_exporter.gpu import GpuMemory, GpuScan, SimulatedGpu
 from kv_exporter.manifest import (
     Declaration,
     DeviceInfo,
@@ -33,9 +32,11 @@ from kv_exporter.manifest import (
     ProcessInfo,
     write_manifest,
 )
-from kv_exporter.nvml import GpuMemory, GpuScan, SimulatedGpu
 from kv_exporter.reference import REFERENCE_MODELS, ReferenceModel
-from kv_exporter.server import ExporterApp, ExporterServer, build_server, serve_in_thread, server_url
+from kv_exporter.sidecar.app import ExporterApp
+from kv_exporter.sidecar.collection import Collection, CollectionSettings
+from kv_exporter.sidecar.engine_page import EngineTarget
+from kv_exporter.sidecar.http import ExporterServer, build_server, serve_in_thread, server_url
 
 GIB = 1 << 30
 DEMO_LISTEN_ADDRESS = "127.0.0.1:9477"
@@ -201,7 +202,7 @@ def start_demo(listen_address: str = DEMO_LISTEN_ADDRESS, clock: Callable[[], fl
     port = engines_server.server_address[1]
     urls = [f"http://127.0.0.1:{port}/{e.slug}/metrics" for e in engines]
     targets = tuple(EngineTarget.parse(u) for u in urls)
-    collection = Collection(Settings(manifest_dir=folder, targets=targets), gpu)
+    collection = Collection(CollectionSettings(manifest_dir=folder, targets=targets), gpu)
     try:
         exporter = build_server(listen_address, ExporterApp(collection))
     except BaseException:

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from types import FrameType
 
 from kv_exporter import __version__
-from kv_exporter.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
-from kv_exporter.manifest import DEFAULT_LIMITS
-from kv_exporter.plugin.settings import DEFAULT_MANIFEST_DIR
-from kv_exporter.server import DEFAULT_LISTEN_ADDRESS, ExporterApp, ExporterServer, parse_listen_address
+from kv_exporter.manifest import DEFAULT_LIMITS, DEFAULT_MANIFEST_DIR
+from kv_exporter.sidecar.app import ExporterApp
+from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
+from kv_exporter.sidecar.http import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
 
 log = logging.getLogger("kv_exporter")
 
@@ -86,7 +86,7 @@ def _common(parser: argparse.ArgumentParser, default_listen: str) -> None:
 
 
 def _limits(serve: argparse.ArgumentParser) -> None:
-    from kv_exporter.snapshot import DEFAULT_MAX_SERIES, SERIES_PER_DECLARATION, SERIES_PER_ENGINE
+    from kv_exporter.sidecar.snapshot import DEFAULT_MAX_SERIES, SERIES_PER_DECLARATION, SERIES_PER_ENGINE
 
     serve.add_argument(
         "--manifest-max-bytes",
@@ -110,7 +110,7 @@ def _limits(serve: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kv_exporter.demo import DEMO_LISTEN_ADDRESS
+    from kv_exporter.sidecar.demo import DEMO_LISTEN_ADDRESS
 
     parser = argparse.ArgumentParser(prog="kv-exporter", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kv-exporter {__version__}")
@@ -190,17 +190,17 @@ def _wait_for_signal() -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kv_exporter.collector import Collection, Settings
+    from kv_exporter.gpu import GpuReader, NvmlReader, SimulatedGpu
     from kv_exporter.manifest import ManifestLimits
-    from kv_exporter.nvml import GpuReader, NvmlReader, SimulatedGpu
-    from kv_exporter.server import serve_in_thread, server_url
+    from kv_exporter.sidecar.collection import Collection, CollectionSettings
+    from kv_exporter.sidecar.http import serve_in_thread, server_url
 
     reader: GpuReader | None = None
     if args.simulate_gpu:
         reader = SimulatedGpu(total=args.simulate_gpu[0], used=args.simulate_gpu[1])
     elif not args.no_nvml:
         reader = NvmlReader()
-    settings = Settings(
+    settings = CollectionSettings(
         manifest_dir=args.manifest_dir,
         targets=tuple(args.engine_url),
         fetch_timeout_s=args.engine_timeout,
@@ -232,33 +232,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _listen(args: argparse.Namespace, app: ExporterApp) -> ExporterServer:
     """The HTTP server, with the exporter-toolkit web configuration when one is given."""
-    from kv_exporter.server import ExporterHandler, ExporterServer, build_server
+    from kv_exporter.sidecar.http import build_server
 
     if not args.web_config_file:
         return build_server(args.listen_address, app)
-    from kv_exporter.webconfig import (
-        ReloadStatusCollector,
-        WebConfigHandlerMixin,
-        WebConfigReloader,
-        WebConfigServerMixin,
-    )
+    from kv_exporter.web.reload import ReloadStatusCollector, WebConfigReloader
 
     reloader = WebConfigReloader(args.web_config_file)  # refuses to start on a bad file, as the toolkit does
     app.registry.register(ReloadStatusCollector(reloader))
-
-    class Server(WebConfigServerMixin, ExporterServer):
-        pass
-
-    class Handler(WebConfigHandlerMixin, ExporterHandler):
-        pass
-
-    server = build_server(args.listen_address, app, server_class=Server, handler_class=Handler)
-    server.web_config = reloader  # type: ignore[attr-defined]
-    return server
+    return build_server(args.listen_address, app, reloader)
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from kv_exporter.demo import describe, start_demo
+    from kv_exporter.sidecar.demo import describe, start_demo
 
     try:
         demo = start_demo(args.listen_address)
@@ -274,7 +260,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from kv_exporter.report import run_report as report
+    from kv_exporter.sidecar.report import run_report as report
 
     text, status = report(args.manifest_dir, args.max_num_seqs, args.json)
     (sys.stdout if status != 2 else sys.stderr).write(text)

@@ -1,9 +1,9 @@
 """The snapshot: one scrape's inputs combined into the figures every output reads (pure, no I/O).
 
-Inputs are records (`ManifestEntry`, `PageResult`, `GpuResult`) that `kv_exporter.collector` gathers; the
-snapshot holds one view per live declaration, engine and GPU: ceiling and estimate, running count, projected peak,
-headroom and safe max_num_seqs. `kv_exporter.families` turns it into metric families, `kv_exporter.landing` into
-the landing page. The same inputs always give the same snapshot.
+Inputs are records (`ManifestEntry`, `PageResult`, `GpuResult`) that `inputs` gathers; the snapshot holds one view
+per live declaration, engine and GPU: ceiling and estimate, running count, projected peak, headroom and safe
+max_num_seqs. `families` turns it into metric families, `landing` into the landing page. The same inputs always give
+the same snapshot.
 """
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from kv_exporter.engine_page import (
-    EngineKey,
-    EnginePage,
-    EnginePageError,
-)
-from kv_exporter.liveness import State, Verdict
+from kv_exporter.gpu import SOURCE_SIMULATED, GpuMemory, GpuReadError
 from kv_exporter.manifest import (
     Declaration,
     Manifest,
     ManifestError,
 )
-from kv_exporter.nvml import SOURCE_SIMULATED, GpuMemory, GpuReadError
+from kv_exporter.sidecar.engine_page import (
+    EngineKey,
+    EnginePage,
+    EnginePageError,
+)
+from kv_exporter.sidecar.liveness import State, Verdict
 
 # -- inputs, as records ----------------------------------------------------------------------------------------
 

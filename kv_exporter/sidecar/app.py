@@ -1,0 +1,68 @@
+"""The endpoints' content, independent of the HTTP plumbing: /metrics (text or OpenMetrics, gzip when asked) and
+the landing page, both from one shared collection.
+"""
+
+from __future__ import annotations
+
+import gzip
+import threading
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from kv_exporter.sidecar.collection import Collection, KVCollector, SingleFlight
+from kv_exporter.sidecar.exposition import Exposition, Fixed
+from kv_exporter.sidecar.landing import render_landing
+
+# Level 1: a third of level 6's time on a 220 KB page, for a 20% larger body (docs/benchmarks.md, target 1).
+GZIP_LEVEL = 1
+_MAX_SHARED_FORMATS = 16  # formats with a shared rendering; others (odd Accept headers) render per request
+
+Encoder = Callable[[Collector], bytes]
+
+
+class ExporterApp:
+    """The endpoints' content, independent of the HTTP plumbing."""
+
+    def __init__(self, collection: Collection) -> None:
+        self.collection = collection
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(KVCollector(collection))
+        self.exposition = Exposition()
+        self._pages: dict[tuple[str, bool], SingleFlight[bytes]] = {}
+        self._pages_lock = threading.Lock()
+
+    def metrics(self, accept: str | None, accept_encoding: str | None) -> tuple[bytes, dict[str, str]]:
+        encoder, content_type = choose_encoder(accept or "")
+        compressed = "gzip" in (accept_encoding or "")
+        body = self._page(encoder, content_type, compressed)()
+        headers = {"Content-Type": content_type}
+        if compressed:
+            headers["Content-Encoding"] = "gzip"
+        return body, headers
+
+    def _page(self, encoder: Encoder, content_type: str, compressed: bool) -> Callable[[], bytes]:
+        """Concurrent scrapes asking for the same format share one collection *and* one rendering: rendering
+        per request made 32 concurrent scrapers wait for 32 renderings (docs/benchmarks.md, target 5)."""
+
+        def render() -> bytes:
+            return self._render(encoder, content_type, compressed)
+
+        key = (content_type, compressed)
+        with self._pages_lock:
+            flight = self._pages.get(key)
+            if flight is None and len(self._pages) < _MAX_SHARED_FORMATS:  # the Accept header picks the key
+                flight = self._pages[key] = SingleFlight(render)
+        return flight or render
+
+    def _render(self, encoder: Encoder, content_type: str, compressed: bool) -> bytes:
+        metrics = list(self.registry.collect())
+        body = self.exposition.render(metrics, content_type)
+        if body is None:  # something the fast path does not cover: prometheus_client's own encoder
+            body = encoder(Fixed(metrics))
+        return gzip.compress(body, compresslevel=GZIP_LEVEL) if compressed else body
+
+    def landing(self) -> bytes:
+        return render_landing(self.collection.snapshot()).encode()

@@ -1,0 +1,1 @@
+"""The exporter-toolkit web configuration (`--web.config.file`): config, TLS, basic auth, reloading."""

@@ -1,0 +1,118 @@
+"""Reloading the web configuration: re-read when the file or a certificate it names changes, keep the last good one."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kv_exporter.filestat import FileSignature, signature_of
+from kv_exporter.web.config import WebConfig, WebConfigError
+
+logger = logging.getLogger("kv_exporter.web")
+
+RELOAD_CHECK_INTERVAL_S = 1.0
+
+_Fingerprint = tuple[tuple[str, FileSignature | str], ...]
+
+
+def _fingerprint(paths: Iterable[Path]) -> _Fingerprint:
+    return tuple((str(path), signature_of(path)) for path in paths)
+
+
+def _load_with_fingerprint(path: Path) -> tuple[WebConfig, _Fingerprint]:
+    """Load, and fingerprint the files the config names (a new config may name other certificates).
+
+    The config file is stat-ed before it is read: if it changes in between, the stored fingerprint is already
+    out of date and the next check reloads, instead of missing the change.
+    """
+    before = _fingerprint([path])
+    config = WebConfig.load(path)
+    return config, before + _fingerprint(config.watched_files()[1:])
+
+
+class WebConfigReloader:
+    """The current `WebConfig`, re-read when the file or a certificate it names changes.
+
+    The first load raises `WebConfigError` (refuse to start, as the toolkit does). Later, a changed file is
+    re-read at most once per `interval`; an invalid new version is logged once and the last good config stays
+    in force. Whether TLS is on is fixed at start-up (the listener was built for it), so a change that turns it
+    on or off is refused until a restart.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        interval: float = RELOAD_CHECK_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = Path(path)
+        self._interval = interval
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._config, self._fingerprint = _load_with_fingerprint(self.path)
+        self._checked_at = clock()
+        self._failed: _Fingerprint | None = None
+        self.reloads = 0
+        self.reload_failures = 0
+        self.last_error: str | None = None
+
+    @property
+    def last_reload_ok(self) -> bool:
+        return self.last_error is None
+
+    def current(self) -> WebConfig:
+        """The config in force; checks for changes when the last check is older than the interval."""
+        if self._clock() - self._checked_at < self._interval:
+            return self._config
+        with self._lock:
+            if self._clock() - self._checked_at >= self._interval:
+                self._checked_at = self._clock()
+                self._maybe_reload()
+            return self._config
+
+    def _maybe_reload(self) -> None:
+        fingerprint = _fingerprint(self._config.watched_files())
+        if fingerprint == self._fingerprint or fingerprint == self._failed:
+            return
+        try:
+            config, new_fingerprint = _load_with_fingerprint(self.path)
+            if config.tls_enabled != self._config.tls_enabled:
+                state = "on" if self._config.tls_enabled else "off"
+                raise WebConfigError(self.path, f"TLS was {state} at start-up; turning it over needs a restart")
+        except WebConfigError as exc:
+            self._failed = fingerprint
+            self.reload_failures += 1
+            self.last_error = str(exc)
+            logger.error("web config not reloaded, keeping the previous one: %s", exc)
+            return
+        self._config, self._fingerprint, self._failed = config, new_fingerprint, None
+        self.reloads += 1
+        self.last_error = None
+        logger.info("web config reloaded from %s", self.path)
+
+
+RELOAD_METRIC = "model_local_kv_web_config_last_reload_successful"
+
+
+class ReloadStatusCollector(Collector):
+    """Whether the last change to the web config (or a certificate it names) could be loaded, as a metric."""
+
+    def __init__(self, reloader: WebConfigReloader) -> None:
+        self.reloader = reloader
+
+    def collect(self) -> Iterable[Metric]:
+        self.reloader.current()  # notice an edit even if no request looked since (at most one check a second)
+        yield GaugeMetricFamily(
+            RELOAD_METRIC,
+            "1 if the web config in force is the file as it is now; 0 while a broken edit is refused and the "
+            "last good config serves.",
+            value=int(self.reloader.last_reload_ok),
+        )
