@@ -13,6 +13,8 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from kv_exporter import filestat
+from kv_exporter.filestat import FileSignature
 from kv_exporter.gpu import GpuMemory, GpuReader, GpuReadError
 from kv_exporter.manifest import (
     DEFAULT_LIMITS,
@@ -35,31 +37,26 @@ from kv_exporter.sidecar.snapshot import GpuResult, ManifestEntry, PageResult, o
 log = logging.getLogger(__name__)
 
 
-# inode, mtime, ctime, size. The change time catches what the others miss: a chmod that makes a file readable, and
-# an in-place rewrite that restores the old mtime (cp -p, rsync -t, tar); nothing can set it back.
-_Signature = tuple[int, int, int, int]
-
-
 class ManifestStore:
-    """Reads the manifest folder, caching each file's parse by its signature; counts each bad version once."""
+    """Reads the manifest folder, caching each parse by its file signature; counts each bad version once."""
 
     def __init__(self, directory: str, limits: ManifestLimits = DEFAULT_LIMITS) -> None:
         self.directory = directory
         self.limits = limits
-        self._cache: dict[str, tuple[_Signature, Manifest | ManifestError]] = {}
+        self._cache: dict[str, tuple[FileSignature, Manifest | ManifestError]] = {}
         self.errors_total: Counter[str] = Counter()
         self.folder_error: str | None = None
 
     def load(self) -> list[tuple[str, Manifest | ManifestError]]:
         """Every manifest file, sorted by path, parsed or with its error."""
-        seen: dict[str, tuple[_Signature, Manifest | ManifestError]] = {}
+        seen: dict[str, tuple[FileSignature, Manifest | ManifestError]] = {}
         for path, signature in self._listing():
             cached = self._cache.get(path)
             seen[path] = cached if cached and cached[0] == signature else (signature, self._parse(path))
         self._cache = seen
         return [(path, result) for path, (_, result) in sorted(seen.items())]
 
-    def _listing(self) -> Iterator[tuple[str, _Signature]]:
+    def _listing(self) -> Iterator[tuple[str, FileSignature]]:
         try:
             entries = list(os.scandir(self.directory))
         except OSError as exc:
@@ -74,7 +71,7 @@ class ManifestStore:
             except OSError:
                 continue  # removed between listing and stat: it is simply gone
             if entry.is_file():
-                yield entry.path, (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+                yield entry.path, filestat.signature(st)
 
     def _folder_failed(self, error: str | None) -> None:
         if error is not None and self.folder_error is None:
