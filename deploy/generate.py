@@ -2,17 +2,21 @@
 
 - dashboards/kv-exporter.json and its Kubernetes copy, from dashboards/build.py
 - deploy/kubernetes/base/prometheusrule.yaml, from deploy/prometheus/kv-exporter.rules.yml
+- kv_exporter/schema/manifest.schema.json, from the manifest's dataclasses (kv_exporter/manifest.py)
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import yaml
+
+from kv_exporter.manifest import SCHEMA_PATH, manifest_schema
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy/prometheus/kv-exporter.rules.yml"
@@ -49,7 +53,8 @@ def prometheus_rule() -> str:
 
 def outputs() -> dict[Path, str]:
     board = load_dashboard_builder().render()
-    return {DASHBOARD: board, K8S_DASHBOARD: board, K8S_RULE: prometheus_rule()}
+    schema = json.dumps(manifest_schema(), indent=2) + "\n"
+    return {DASHBOARD: board, K8S_DASHBOARD: board, K8S_RULE: prometheus_rule(), SCHEMA_PATH: schema}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,15 @@ def dtype_name(dtype: object) -> str:
     return name
 
 
+def dtype_problem(text: str) -> str:
+    """Why `text` is not a canonical dtype name, for a reader that wants exactly the canonical names."""
+    try:
+        canonical = dtype_name(text)
+    except UnknownDTypeError as exc:
+        return str(exc)
+    return f"dtype {text!r} is not canonical ({canonical!r})"
+
+
 def dtype_itemsize(dtype: object) -> int:
     """Bytes per element of `dtype` (a torch dtype or a name)."""
     return ITEMSIZE[dtype_name(dtype)]

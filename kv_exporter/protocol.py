@@ -22,6 +22,7 @@ __all__ = [
     "ModelLocalKVSpec",
     "RowDriver",
     "collect_model_local_kv_specs",
+    "kv_row_bytes",
     "spec_from_hf_config",
 ]
 
@@ -38,10 +39,35 @@ class ModelLocalKVScope(str, Enum):
 
 
 class RowDriver(str, Enum):
-    """What sets how many rows of a cache are live at peak."""
+    """What sets how many rows of a cache are live at peak, and the rule that turns it into a row count.
+
+    Every row count in kv-exporter comes from the three members below, so a new driver is added here, with its rule,
+    and nowhere else branches on the value.
+    """
 
     FIXED = "fixed"  # a count the model controls: rows_fixed, with rows_reason
     MAX_NUM_SEQS = "max_num_seqs"  # one row per in-flight sequence; only the engine knows the number
+
+    @property
+    def scales_with_max_num_seqs(self) -> bool:
+        """Whether raising max_num_seqs widens the cache (what `safe_max_num_seqs` searches over)."""
+        return _SCALES_WITH_MAX_NUM_SEQS[self]  # a member without a rule fails loudly, never as max_num_seqs
+
+    def rows_at_ceiling(self, rows_fixed: int, max_num_seqs: int) -> int:
+        """Rows live at peak, as vllm-omni counts them: rows_fixed for FIXED, max(1, max_num_seqs) for MAX_NUM_SEQS."""
+        return rows_fixed if not self.scales_with_max_num_seqs else max(1, max_num_seqs)
+
+    def rows_running(self, rows_fixed: int, running: int) -> int:
+        """Rows live while `running` sequences run (0 allowed): rows_fixed for FIXED, else one per sequence."""
+        return rows_fixed if not self.scales_with_max_num_seqs else max(0, running)
+
+
+_SCALES_WITH_MAX_NUM_SEQS = {RowDriver.FIXED: False, RowDriver.MAX_NUM_SEQS: True}
+
+
+def kv_row_bytes(layers: int, kv_heads: int, head_dim: int, positions: int, itemsize: int) -> int:
+    """Bytes for one batch row of a KV cache: K and V, every layer and head, every position."""
+    return 2 * layers * kv_heads * head_dim * positions * itemsize
 
 
 def _positive_int(field: str, value: object) -> int:
@@ -75,28 +101,19 @@ class ModelLocalKVSpec:
         dtype_name(self.dtype)  # raises UnknownDTypeError early, at declaration time
         object.__setattr__(self, "scope", ModelLocalKVScope(self.scope))
         object.__setattr__(self, "rows", RowDriver(self.rows))
-        if self.rows is RowDriver.FIXED:
+        if not self.rows.scales_with_max_num_seqs:  # a count the model controls
             _positive_int("rows_fixed", self.rows_fixed)
             if not self.rows_reason.strip():
                 raise ValueError(f"{self.name}: rows=FIXED needs a rows_reason; a bare constant cannot be reviewed")
 
     @property
     def bytes_per_row(self) -> int:
-        """Bytes for one batch row: K and V, every layer and head, every position."""
-        return (
-            2
-            * self.layers
-            * self.kv_heads
-            * self.head_dim
-            * self.physical_capacity_positions
-            * dtype_itemsize(self.dtype)
+        return kv_row_bytes(
+            self.layers, self.kv_heads, self.head_dim, self.physical_capacity_positions, dtype_itemsize(self.dtype)
         )
 
     def row_count(self, max_num_seqs: int = 1) -> int:
-        """Rows live at peak: rows_fixed for FIXED, else max(1, max_num_seqs)."""
-        if self.rows is RowDriver.FIXED:
-            return self.rows_fixed
-        return max(1, max_num_seqs)
+        return self.rows.rows_at_ceiling(self.rows_fixed, max_num_seqs)
 
     def peak_bytes(self, max_num_seqs: int = 1) -> int:
         return self.bytes_per_row * self.row_count(max_num_seqs)

@@ -18,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kv_exporter.manifest import COLLECTORS, Declaration
+from kv_exporter.manifest import CollectorName, Declaration
 from kv_exporter.plugin.oncelog import warn_once
 from kv_exporter.plugin.settings import COLLECTOR_AUTO
 from kv_exporter.protocol import collect_model_local_kv_specs
@@ -34,7 +34,8 @@ SAFE_IMPORT_ROOTS = frozenset(
 )
 SAFE_IMPORT_MODULES = frozenset({"vllm.logger"})
 
-COLLECTOR_UPSTREAM, COLLECTOR_OURS = COLLECTORS  # ("vllm_omni", "kv_exporter"), as the manifest spells them
+COLLECTOR_UPSTREAM: CollectorName = "vllm_omni"
+COLLECTOR_OURS: CollectorName = "kv_exporter"
 
 Collect = Callable[[object], list[tuple[str, Any]]]
 
@@ -110,7 +111,7 @@ def upstream_collector() -> Collect | None:
     return _upstream[0]
 
 
-def collect(model: object, preference: str = COLLECTOR_AUTO) -> tuple[str, list[tuple[str, Any]]]:
+def collect(model: object, preference: str = COLLECTOR_AUTO) -> tuple[CollectorName, list[tuple[str, Any]]]:
     """(collector name, [(owner path, spec)]) for `model`; the raw specs, not yet converted."""
     upstream = None if preference == COLLECTOR_OURS else upstream_collector()
     if upstream is not None:

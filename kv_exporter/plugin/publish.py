@@ -120,7 +120,7 @@ def log_summary(manifest: Manifest, path: Path | None) -> None:
         path if path is not None else "not written",
     )
     for d in manifest.declarations:
-        driver = d.rows if not d.is_fixed else f"fixed({d.rows_fixed}; {d.rows_reason})"
+        driver = d.rows.value if d.rows.scales_with_max_num_seqs else f"{d.rows.value}({d.rows_fixed}; {d.rows_reason})"
         logger.info(
             "  %s.%s: %.2f MiB (%d rows from %s x %d B/row, scope=%s, %d positions from %s)",
             d.owner or "<root>",
@@ -129,7 +129,7 @@ def log_summary(manifest: Manifest, path: Path | None) -> None:
             d.row_count(seqs),
             driver,
             d.bytes_per_row,
-            d.scope,
+            d.scope.value,
             d.physical_capacity_positions,
             d.capacity_source,
         )

@@ -32,8 +32,8 @@ def _declaration_labels(view: DeclarationView) -> tuple[str, ...]:
         str(view.engine),
         d.owner,
         d.name,
-        d.scope,
-        d.rows,
+        d.scope.value,
+        d.rows.value,
         view.gpu,
         view.uuid,
     )

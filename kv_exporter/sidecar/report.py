@@ -37,7 +37,7 @@ def manifest_rows(manifest: Manifest, max_num_seqs: int | None) -> list[ReportRo
 
 
 def _row(d: Declaration, seqs: int) -> ReportRow:
-    return ReportRow(d.owner, d.name, d.scope, d.rows, d.row_count(seqs), d.bytes_per_row)
+    return ReportRow(d.owner, d.name, d.scope.value, d.rows.value, d.row_count(seqs), d.bytes_per_row)
 
 
 def _title(entry: ManifestEntry, manifest: Manifest, seqs: int) -> str:

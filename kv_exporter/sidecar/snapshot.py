@@ -258,7 +258,9 @@ def safe_max_num_seqs(device: GpuMemory, views: Sequence[DeclarationView]) -> in
     """Largest M with used + sum(bytes_per_row * max(0, M - estimated rows)) <= total, over this GPU's
     max_num_seqs-driven declarations (every engine on the GPU at the same M); None when there are none."""
     # (bytes_per_row, estimated rows) pairs: the search below evaluates peak() ~30 times per GPU.
-    scaling = [(v.declaration.bytes_per_row, v.estimate_rows) for v in views if not v.declaration.is_fixed]
+    scaling = [
+        (v.declaration.bytes_per_row, v.estimate_rows) for v in views if v.declaration.rows.scales_with_max_num_seqs
+    ]
     if not scaling:
         return None
 

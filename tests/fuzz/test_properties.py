@@ -15,10 +15,10 @@ import random
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from kv_exporter.document import MAX_SAFE_INT
 from kv_exporter.dtypes import ITEMSIZE
 from kv_exporter.manifest import (
     COLLECTORS,
-    MAX_SAFE_INT,
     Baseline,
     Declaration,
     DeviceInfo,
@@ -121,7 +121,6 @@ def declarations(draw: st.DrawFn, owner: str, name: str) -> Declaration:
         kv_heads=kv_heads,
         head_dim=head_dim,
         dtype=dtype,
-        itemsize=ITEMSIZE[dtype],
         physical_capacity_positions=positions,
         capacity_source=draw(_texts),
         scope=draw(st.sampled_from(ModelLocalKVScope)).value,
@@ -129,7 +128,6 @@ def declarations(draw: st.DrawFn, owner: str, name: str) -> Declaration:
         rows_fixed=draw(st.integers(1, 1 << 20)),
         rows_reason=reason,
         allocation_note=draw(st.none() | _texts),
-        bytes_per_row=2 * layers * kv_heads * head_dim * positions * ITEMSIZE[dtype],
     )
 
 

@@ -175,9 +175,12 @@ def test_safe_max_num_seqs_matches_brute_force(used: int, free: int, rows: list[
     views = []
     for per_row, estimate in rows:
         view = by_cache(snapshot([reference_manifest(QWEN3_TTS)], []), "codec_decoder_request_cache")
-        decl = replace(view.declaration, bytes_per_row=per_row)
+        # one byte-wide element, K and V: 2 * per_row bytes a row
+        decl = replace(
+            view.declaration, dtype="uint8", layers=1, kv_heads=1, head_dim=1, physical_capacity_positions=per_row
+        )
         views.append(replace(view, declaration=decl, estimate_rows=estimate))
-    assert safe_max_num_seqs(device, views) == brute_force_safe(device, rows)
+    assert safe_max_num_seqs(device, views) == brute_force_safe(device, [(2 * b, e) for b, e in rows])
 
 
 def test_safe_max_num_seqs_for_qwen_example() -> None:
@@ -211,7 +214,7 @@ def test_store_parses_each_version_once_and_counts_errors_once(
     bad.write_text(json.dumps({"schema_version": 99}))
     store.load()
     store.load()
-    assert store.errors_total == {"invalid_json": 1, "missing_field": 1}
+    assert store.errors_total == {"invalid_json": 1, "unsupported_schema_version": 1}
     bad.unlink()
     assert [p for p, _ in store.load()] == [str(good)]
 

@@ -18,6 +18,7 @@ from kv_exporter.manifest import (
     ManifestLimits,
     ProcessInfo,
     manifest_filename,
+    manifest_schema,
     parse_manifest,
     read_manifest,
     write_manifest,
@@ -36,6 +37,11 @@ def test_round_trip_through_a_file(tmp_path: Path) -> None:
     assert path.name == manifest_filename(manifest.engine)
     assert read_manifest(path) == manifest
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
+
+
+def test_the_committed_schema_is_the_one_the_code_generates() -> None:
+    # One source for the contract: the dataclasses. `python deploy/generate.py` rewrites the file.
+    assert manifest_schema() == SCHEMA
 
 
 def test_written_manifest_validates_against_the_json_schema(tmp_path: Path) -> None:

@@ -1,0 +1,276 @@
+"""Strict JSON documents described once: annotated dataclasses give both the reader and the JSON Schema.
+
+A document's fields are a frozen dataclass's fields; their types and `Annotated` markers (`Range`, `NotBlank`,
+`Doc`) are the whole description. `decode` turns decoded JSON into the dataclass or raises `DocumentError` with a
+stable reason code; `json_schema` writes the same rules as JSON Schema 2020-12 for other readers. Fields declared
+with `init=False` (and a `Derived` marker) are computed from the others: written to the document, and on reading
+checked against what the dataclass computes (reason `inconsistent`). What a schema cannot say (duplicates, limits)
+stays with the caller, by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Literal, TypeVar, Union
+
+# Integers in a document must survive any JSON reader exactly.
+MAX_SAFE_INT = 2**53 - 1
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Range:
+    """The smallest value a number may take (integers are also capped at MAX_SAFE_INT)."""
+
+    minimum: int
+
+
+@dataclass(frozen=True)
+class NotBlank:
+    """A string with at least one non-space character."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A string from a fixed list that is not an enum of ours; `explain` says what is wrong with another value."""
+
+    values: tuple[str, ...]
+    explain: Callable[[str], str]
+
+
+@dataclass(frozen=True)
+class Derived:
+    """On an `init=False` field: what it is computed from, for the message when a document disagrees."""
+
+    source: str
+
+
+@dataclass(frozen=True)
+class Doc:
+    """A description carried into the JSON Schema."""
+
+    text: str
+
+
+class DocumentError(ValueError):
+    """A document that does not match its description: `reason` is a stable code, `detail` says where and why."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    kind: Any  # the type without Annotated and without None
+    optional: bool
+    markers: tuple[object, ...]
+    derived: bool
+
+    def marker(self, kind: type[T]) -> T | None:
+        return next((m for m in self.markers if isinstance(m, kind)), None)
+
+
+_described: dict[type, tuple[_Field, ...]] = {}
+
+
+def _fields(cls: type) -> tuple[_Field, ...]:
+    """The description of `cls`'s fields, worked out once per class (type hints are costly to evaluate)."""
+    described = _described.get(cls)
+    if described is None:
+        hints = typing.get_type_hints(cls, include_extras=True)
+        fields = dataclasses.fields(cls)
+        described = _described[cls] = tuple(_describe(f.name, hints[f.name], not f.init) for f in fields)
+    return described
+
+
+def _describe(name: str, hint: Any, derived: bool) -> _Field:
+    """Peel `Annotated[...]` and `... | None` off a hint, in whichever order they are nested."""
+    markers: list[object] = []
+    optional = False
+    while True:
+        if typing.get_origin(hint) is typing.Annotated:
+            hint, *extra = typing.get_args(hint)
+            markers.extend(extra)
+        elif typing.get_origin(hint) in (Union, types.UnionType) and type(None) in typing.get_args(hint):
+            (hint,) = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+            optional = True
+        else:
+            return _Field(name, hint, optional, tuple(markers), derived)
+
+
+def serialised_fields(cls: type) -> tuple[str, ...]:
+    """The field names a document of `cls` holds, in order."""
+    return tuple(f.name for f in _fields(cls))
+
+
+# -- reading ----------------------------------------------------------------------------------------------------
+
+
+def decode(cls: type[T], doc: object, where: str = "") -> T:
+    """`doc` (decoded JSON) as `cls`; raises DocumentError naming the field by its path below `where`."""
+    obj = _object(doc, where or cls.__name__.lower(), cls)
+    values = {f.name: _value(f, obj[f.name], _child(where, f.name)) for f in _fields(cls) if not f.derived}
+    try:
+        result = cls(**values)
+    except DocumentError as exc:  # a rule across fields, checked by the dataclass itself
+        raise DocumentError(exc.reason, f"{where}: {exc.detail}") from None
+    except ValueError as exc:
+        raise DocumentError("invalid_value", f"{where}: {exc}") from None
+    for f in _fields(cls):
+        if f.derived and obj[f.name] != getattr(result, f.name):
+            source = f.marker(Derived)
+            detail = f"{_child(where, f.name)} = {obj[f.name]!r}, but {source.source if source else 'the other fields'}"
+            raise DocumentError("inconsistent", f"{detail} give {getattr(result, f.name)!r}")
+    return result
+
+
+def _child(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def _object(doc: object, where: str, cls: type) -> Mapping[str, Any]:
+    if not isinstance(doc, dict):
+        raise DocumentError("wrong_type", f"{where} must be an object, got {type(doc).__name__}")
+    names = serialised_fields(cls)
+    missing = [name for name in names if name not in doc]
+    if missing:
+        raise DocumentError("missing_field", f"{where} lacks {', '.join(missing)}")
+    unknown = sorted(set(doc) - set(names))
+    if unknown:
+        raise DocumentError("unknown_field", f"{where} has unknown field(s) {', '.join(unknown)}")
+    return doc
+
+
+def _value(f: _Field, value: object, where: str) -> Any:
+    if value is None and f.optional:
+        return None
+    kind = f.kind
+    if dataclasses.is_dataclass(kind):
+        return decode(typing.cast(type, kind), value, where)
+    if typing.get_origin(kind) is tuple:
+        (item,) = [arg for arg in typing.get_args(kind) if arg is not Ellipsis]
+        if not isinstance(value, list):
+            raise DocumentError("wrong_type", f"{where} must be an array, got {type(value).__name__}")
+        return tuple(decode(item, element, f"{where}[{i}]") for i, element in enumerate(value))
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise DocumentError("wrong_type", f"{where} must be true or false, got {type(value).__name__}")
+        return value
+    if kind is int:
+        return _integer(f, value, where)
+    if kind is float:
+        return _number(f, value, where)
+    if typing.get_origin(kind) is Literal and not isinstance(typing.get_args(kind)[0], str):
+        if isinstance(value, bool) or value not in typing.get_args(kind):
+            raise DocumentError("invalid_value", f"{where} = {value!r}; expected {typing.get_args(kind)}")
+        return value
+    text = _text(f, value, where)
+    choice = f.marker(Choice)
+    if choice is not None and text not in choice.values:
+        raise DocumentError("invalid_value", f"{where}: {choice.explain(text)}")
+    if kind is str:
+        return text
+    allowed = _allowed(kind)
+    if text not in allowed:
+        raise DocumentError("unknown_enum", f"{where} = {text!r}; expected one of {', '.join(map(str, allowed))}")
+    return kind(text) if isinstance(kind, type) and issubclass(kind, Enum) else text
+
+
+def _integer(f: _Field, value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DocumentError("wrong_type", f"{where} must be an integer, got {type(value).__name__}")
+    minimum = _minimum(f)
+    if not minimum <= value <= MAX_SAFE_INT:
+        raise DocumentError("out_of_range", f"{where} = {value} outside [{minimum}, 2**53-1]")
+    return value
+
+
+def _number(f: _Field, value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise DocumentError("wrong_type", f"{where} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < _minimum(f):
+        raise DocumentError("out_of_range", f"{where} = {value} must be finite and >= {_minimum(f)}")
+    return float(value)
+
+
+def _text(f: _Field, value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise DocumentError("wrong_type", f"{where} must be a string, got {type(value).__name__}")
+    if f.marker(NotBlank) and not value.strip():
+        raise DocumentError("invalid_value", f"{where} must not be blank")
+    return value
+
+
+def _minimum(f: _Field) -> int:
+    marker = f.marker(Range)
+    return 0 if marker is None else marker.minimum
+
+
+def _allowed(kind: Any) -> tuple[object, ...]:
+    if typing.get_origin(kind) is Literal:
+        return typing.get_args(kind)
+    return tuple(member.value for member in kind)
+
+
+# -- the JSON Schema --------------------------------------------------------------------------------------------
+
+
+def json_schema(cls: type, *, schema_id: str, title: str, description: str) -> dict[str, Any]:
+    """The JSON Schema 2020-12 of documents of `cls`."""
+    header = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": schema_id, "title": title}
+    return {**header, "description": description, **_object_schema(cls)}
+
+
+def _object_schema(cls: type) -> dict[str, Any]:
+    """An object of `cls`, plus what its `json_schema_rules()` classmethod (if any) says of rules across fields."""
+    fields = _fields(cls)
+    rules = getattr(cls, "json_schema_rules", None)
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": [f.name for f in fields],
+        "properties": {f.name: _field_schema(f) for f in fields},
+        **(rules() if rules is not None else {}),
+    }
+
+
+def _field_schema(f: _Field) -> dict[str, Any]:
+    schema = _kind_schema(f)
+    doc = f.marker(Doc)
+    if f.optional:
+        schema = {"anyOf": [schema, {"type": "null"}]}
+    if doc is not None:
+        schema["description"] = doc.text
+    return schema
+
+
+def _kind_schema(f: _Field) -> dict[str, Any]:
+    kind = f.kind
+    if dataclasses.is_dataclass(kind):
+        return _object_schema(typing.cast(type, kind))
+    if typing.get_origin(kind) is tuple:
+        (item,) = [arg for arg in typing.get_args(kind) if arg is not Ellipsis]
+        return {"type": "array", "items": _object_schema(item)}
+    if kind is bool:
+        return {"type": "boolean"}
+    if kind is int:
+        return {"type": "integer", "minimum": _minimum(f), "maximum": MAX_SAFE_INT}
+    if kind is float:
+        return {"type": "number", "minimum": _minimum(f)}
+    choice = f.marker(Choice)
+    if choice is not None:
+        return {"enum": list(choice.values)}
+    if kind is str:
+        return {"type": "string", "pattern": r"\S"} if f.marker(NotBlank) else {"type": "string"}
+    allowed = list(_allowed(kind))
+    return {"const": allowed[0]} if len(allowed) == 1 else {"enum": allowed}
