@@ -2,7 +2,7 @@
 
 - dashboards/kv-exporter.json and its Kubernetes copy, from dashboards/build.py
 - deploy/kubernetes/base/prometheusrule.yaml, from deploy/prometheus/kv-exporter.rules.yml
-- kv_exporter/schema/manifest.schema.json, from the manifest's dataclasses (kv_exporter/manifest.py)
+- kv_exporter/schema/manifest-v<N>.schema.json, one per version the reader accepts, from the manifest's dataclasses
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from types import ModuleType
 
 import yaml
 
-from kv_exporter.manifest import SCHEMA_PATH, manifest_schema
+from kv_exporter.manifest import SCHEMA_VERSIONS, manifest_schema, schema_path
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy/prometheus/kv-exporter.rules.yml"
@@ -53,8 +53,8 @@ def prometheus_rule() -> str:
 
 def outputs() -> dict[Path, str]:
     board = load_dashboard_builder().render()
-    schema = json.dumps(manifest_schema(), indent=2) + "\n"
-    return {DASHBOARD: board, K8S_DASHBOARD: board, K8S_RULE: prometheus_rule(), SCHEMA_PATH: schema}
+    schemas = {schema_path(v): json.dumps(manifest_schema(v), indent=2) + "\n" for v in SCHEMA_VERSIONS}
+    return {DASHBOARD: board, K8S_DASHBOARD: board, K8S_RULE: prometheus_rule(), **schemas}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,14 +27,27 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Range:
-    """The smallest value a number may take (integers are also capped at MAX_SAFE_INT)."""
+    """The values a number may take (integers are also capped at MAX_SAFE_INT)."""
 
     minimum: int
+    maximum: int = MAX_SAFE_INT
+
+
+@dataclass(frozen=True)
+class Since:
+    """The document version that added the field: documents of older versions do not have it (it takes its default)."""
+
+    version: int
 
 
 @dataclass(frozen=True)
 class NotBlank:
     """A string with at least one non-space character."""
+
+
+@dataclass(frozen=True)
+class VersionField:
+    """The field that holds the document's version: a version's schema admits exactly that version there."""
 
 
 @dataclass(frozen=True)
@@ -83,12 +96,16 @@ class _Field:
 _described: dict[type, tuple[_Field, ...]] = {}
 
 
+# `field(metadata=NOT_IN_DOCUMENT)`: an attribute the reader fills in, never read from or written to a document.
+NOT_IN_DOCUMENT: Mapping[str, bool] = {"document": False}
+
+
 def _fields(cls: type) -> tuple[_Field, ...]:
     """The description of `cls`'s fields, worked out once per class (type hints are costly to evaluate)."""
     described = _described.get(cls)
     if described is None:
         hints = typing.get_type_hints(cls, include_extras=True)
-        fields = dataclasses.fields(cls)
+        fields = [f for f in dataclasses.fields(cls) if f.metadata.get("document", True)]
         described = _described[cls] = tuple(_describe(f.name, hints[f.name], not f.init) for f in fields)
     return described
 
@@ -108,25 +125,51 @@ def _describe(name: str, hint: Any, derived: bool) -> _Field:
             return _Field(name, hint, optional, tuple(markers), derived)
 
 
-def serialised_fields(cls: type) -> tuple[str, ...]:
-    """The field names a document of `cls` holds, in order."""
-    return tuple(f.name for f in _fields(cls))
+def serialised_fields(cls: type, version: int | None = None) -> tuple[str, ...]:
+    """The field names a document of `cls` holds, in order (at `version`, or every field)."""
+    return tuple(f.name for f in _in_version(cls, version))
+
+
+def _in_version(cls: type, version: int | None) -> tuple[_Field, ...]:
+    return tuple(f for f in _fields(cls) if version is None or _since(f) <= version)
+
+
+def _since(f: _Field) -> int:
+    marker = f.marker(Since)
+    return 0 if marker is None else marker.version
+
+
+# -- writing ----------------------------------------------------------------------------------------------------
+
+
+def encode(value: Any) -> Any:
+    """A dataclass as its document: plain JSON values, enum members as their values, reader-only fields left out."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        return {f.name: encode(getattr(value, f.name)) for f in fields if f.metadata.get("document", True)}
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, (tuple, list)):
+        return [encode(item) for item in value]
+    return value
 
 
 # -- reading ----------------------------------------------------------------------------------------------------
 
 
-def decode(cls: type[T], doc: object, where: str = "") -> T:
-    """`doc` (decoded JSON) as `cls`; raises DocumentError naming the field by its path below `where`."""
-    obj = _object(doc, where or cls.__name__.lower(), cls)
-    values = {f.name: _value(f, obj[f.name], _child(where, f.name)) for f in _fields(cls) if not f.derived}
+def decode(cls: type[T], doc: object, where: str = "", version: int | None = None) -> T:
+    """`doc` (decoded JSON) as `cls`, as documents of `version` spell it (None: the newest);
+    raises DocumentError naming the field by its path below `where`."""
+    obj = _object(doc, where or cls.__name__.lower(), cls, version)
+    fields = _in_version(cls, version)
+    values = {f.name: _value(f, obj[f.name], _child(where, f.name), version) for f in fields if not f.derived}
     try:
         result = cls(**values)
     except DocumentError as exc:  # a rule across fields, checked by the dataclass itself
         raise DocumentError(exc.reason, f"{where}: {exc.detail}") from None
     except ValueError as exc:
         raise DocumentError("invalid_value", f"{where}: {exc}") from None
-    for f in _fields(cls):
+    for f in fields:
         if f.derived and obj[f.name] != getattr(result, f.name):
             source = f.marker(Derived)
             detail = f"{_child(where, f.name)} = {obj[f.name]!r}, but {source.source if source else 'the other fields'}"
@@ -138,10 +181,10 @@ def _child(where: str, name: str) -> str:
     return f"{where}.{name}" if where else name
 
 
-def _object(doc: object, where: str, cls: type) -> Mapping[str, Any]:
+def _object(doc: object, where: str, cls: type, version: int | None) -> Mapping[str, Any]:
     if not isinstance(doc, dict):
         raise DocumentError("wrong_type", f"{where} must be an object, got {type(doc).__name__}")
-    names = serialised_fields(cls)
+    names = serialised_fields(cls, version)
     missing = [name for name in names if name not in doc]
     if missing:
         raise DocumentError("missing_field", f"{where} lacks {', '.join(missing)}")
@@ -151,17 +194,17 @@ def _object(doc: object, where: str, cls: type) -> Mapping[str, Any]:
     return doc
 
 
-def _value(f: _Field, value: object, where: str) -> Any:
+def _value(f: _Field, value: object, where: str, version: int | None) -> Any:
     if value is None and f.optional:
         return None
     kind = f.kind
     if dataclasses.is_dataclass(kind):
-        return decode(typing.cast(type, kind), value, where)
+        return decode(typing.cast(type, kind), value, where, version)
     if typing.get_origin(kind) is tuple:
         (item,) = [arg for arg in typing.get_args(kind) if arg is not Ellipsis]
         if not isinstance(value, list):
             raise DocumentError("wrong_type", f"{where} must be an array, got {type(value).__name__}")
-        return tuple(decode(item, element, f"{where}[{i}]") for i, element in enumerate(value))
+        return tuple(decode(item, element, f"{where}[{i}]", version) for i, element in enumerate(value))
     if kind is bool:
         if not isinstance(value, bool):
             raise DocumentError("wrong_type", f"{where} must be true or false, got {type(value).__name__}")
@@ -189,17 +232,19 @@ def _value(f: _Field, value: object, where: str) -> Any:
 def _integer(f: _Field, value: object, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise DocumentError("wrong_type", f"{where} must be an integer, got {type(value).__name__}")
-    minimum = _minimum(f)
-    if not minimum <= value <= MAX_SAFE_INT:
-        raise DocumentError("out_of_range", f"{where} = {value} outside [{minimum}, 2**53-1]")
+    bounds = _range(f)
+    if not bounds.minimum <= value <= bounds.maximum:
+        raise DocumentError("out_of_range", f"{where} = {value} outside [{bounds.minimum}, {_bound(bounds.maximum)}]")
     return value
 
 
 def _number(f: _Field, value: object, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise DocumentError("wrong_type", f"{where} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value < _minimum(f):
-        raise DocumentError("out_of_range", f"{where} = {value} must be finite and >= {_minimum(f)}")
+    bounds = _range(f)
+    if not math.isfinite(value) or not bounds.minimum <= value <= bounds.maximum:
+        limits = f"[{bounds.minimum}, {_bound(bounds.maximum)}]"
+        raise DocumentError("out_of_range", f"{where} = {value} must be finite and within {limits}")
     return float(value)
 
 
@@ -211,9 +256,12 @@ def _text(f: _Field, value: object, where: str) -> str:
     return value
 
 
-def _minimum(f: _Field) -> int:
-    marker = f.marker(Range)
-    return 0 if marker is None else marker.minimum
+def _range(f: _Field) -> Range:
+    return f.marker(Range) or Range(0)
+
+
+def _bound(maximum: int) -> str:
+    return "2**53-1" if maximum == MAX_SAFE_INT else str(maximum)
 
 
 def _allowed(kind: Any) -> tuple[object, ...]:
@@ -225,27 +273,27 @@ def _allowed(kind: Any) -> tuple[object, ...]:
 # -- the JSON Schema --------------------------------------------------------------------------------------------
 
 
-def json_schema(cls: type, *, schema_id: str, title: str, description: str) -> dict[str, Any]:
-    """The JSON Schema 2020-12 of documents of `cls`."""
+def json_schema(cls: type, version: int, *, schema_id: str, title: str, description: str) -> dict[str, Any]:
+    """The JSON Schema 2020-12 of documents of `cls` at `version`."""
     header = {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": schema_id, "title": title}
-    return {**header, "description": description, **_object_schema(cls)}
+    return {**header, "description": description, **_object_schema(cls, version)}
 
 
-def _object_schema(cls: type) -> dict[str, Any]:
+def _object_schema(cls: type, version: int) -> dict[str, Any]:
     """An object of `cls`, plus what its `json_schema_rules()` classmethod (if any) says of rules across fields."""
-    fields = _fields(cls)
+    fields = _in_version(cls, version)
     rules = getattr(cls, "json_schema_rules", None)
     return {
         "type": "object",
         "additionalProperties": False,
         "required": [f.name for f in fields],
-        "properties": {f.name: _field_schema(f) for f in fields},
+        "properties": {f.name: _field_schema(f, version) for f in fields},
         **(rules() if rules is not None else {}),
     }
 
 
-def _field_schema(f: _Field) -> dict[str, Any]:
-    schema = _kind_schema(f)
+def _field_schema(f: _Field, version: int) -> dict[str, Any]:
+    schema = _kind_schema(f, version)
     doc = f.marker(Doc)
     if f.optional:
         schema = {"anyOf": [schema, {"type": "null"}]}
@@ -254,19 +302,23 @@ def _field_schema(f: _Field) -> dict[str, Any]:
     return schema
 
 
-def _kind_schema(f: _Field) -> dict[str, Any]:
+def _kind_schema(f: _Field, version: int) -> dict[str, Any]:
+    if f.marker(VersionField):
+        return {"const": version}
     kind = f.kind
     if dataclasses.is_dataclass(kind):
-        return _object_schema(typing.cast(type, kind))
+        return _object_schema(typing.cast(type, kind), version)
     if typing.get_origin(kind) is tuple:
         (item,) = [arg for arg in typing.get_args(kind) if arg is not Ellipsis]
-        return {"type": "array", "items": _object_schema(item)}
+        return {"type": "array", "items": _object_schema(item, version)}
     if kind is bool:
         return {"type": "boolean"}
+    bounds = _range(f)
     if kind is int:
-        return {"type": "integer", "minimum": _minimum(f), "maximum": MAX_SAFE_INT}
+        return {"type": "integer", "minimum": bounds.minimum, "maximum": bounds.maximum}
     if kind is float:
-        return {"type": "number", "minimum": _minimum(f)}
+        number = {"type": "number", "minimum": bounds.minimum}
+        return number if bounds.maximum == MAX_SAFE_INT else {**number, "maximum": bounds.maximum}
     choice = f.marker(Choice)
     if choice is not None:
         return {"enum": list(choice.values)}

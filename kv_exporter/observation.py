@@ -9,6 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Annotated
+
+from kv_exporter.document import Doc, Range
+
+# Bounds no real worker reaches: a figure beyond them is a corrupt or hostile document, never exported.
+MAX_OBSERVED_BYTES = 1 << 50  # 1 PiB
+MAX_OBSERVED_CACHES = 10_000_000
+MAX_INTERVAL_S = 86_400
+
+Bytes = Annotated[int, Range(0, MAX_OBSERVED_BYTES)]
 
 # Caches created where no module of the model can be found (outside any forward, in a thread of their own).
 UNATTRIBUTED_OWNER = "unattributed"
@@ -27,25 +37,25 @@ class ObservationState(str, Enum):
 class OwnerObservation:
     """One owner's live caches: storage bytes (each storage counted once) and how many cache objects hold them."""
 
-    owner: str  # a declaring owner's path in named_modules(), another module's path, or UNATTRIBUTED_OWNER
-    bytes: int
-    caches: int
+    owner: Annotated[str, Doc("a declaring owner's path in named_modules(), another module's path, or 'unattributed'")]
+    bytes: Bytes
+    caches: Annotated[int, Range(0, MAX_OBSERVED_CACHES)]
 
 
 @dataclass(frozen=True)
 class CudaMemory:
     """torch's allocator figures for the worker's device: `memory_allocated` and `memory_reserved`."""
 
-    allocated_bytes: int
-    reserved_bytes: int
+    allocated_bytes: Bytes
+    reserved_bytes: Bytes
 
 
 @dataclass(frozen=True)
 class Observation:
     state: ObservationState
     reason: str  # why the state is not OK; "" when it is
-    interval_s: float  # how often the worker samples (0 when off)
-    taken_at: float  # Unix time of the sample (0 when none was taken)
-    duration_s: float  # wall time the sample took
+    interval_s: Annotated[float, Range(0, MAX_INTERVAL_S), Doc("how often the worker samples, seconds (0: off)")]
+    taken_at: Annotated[float, Range(0), Doc("Unix time of the sample, seconds (0: none taken)")]
+    duration_s: Annotated[float, Range(0, MAX_INTERVAL_S), Doc("wall time the sample took, seconds")]
     owners: tuple[OwnerObservation, ...] = ()
     cuda: CudaMemory | None = None  # only on a CUDA device

@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kv_exporter.manifest import DeviceInfo, EngineIdentity
+from kv_exporter.manifest import DeviceInfo, EngineIdentity, PodInfo
 from kv_exporter.plugin.oncelog import warn_once
 
 # Set by vllm-omni 0.30 in each stage engine-core process (stage_engine_core_proc.py) and inherited by its
 # workers; it is the `replica` label of vllm-omni's per-stage metrics.
 ENV_OMNI_REPLICA = "VLLM_OMNI_REPLICA_ID"
 ENV_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+# Set by the deploy manifests: the pod's name and namespace from the downward API, the container's name as written
+# (Kubernetes has no field reference for it). They join the figures to kube-state-metrics' and dcgm-exporter's.
+ENV_POD_NAME = "KV_EXPORTER_POD_NAME"
+ENV_POD_NAMESPACE = "KV_EXPORTER_POD_NAMESPACE"
+ENV_CONTAINER_NAME = "KV_EXPORTER_CONTAINER_NAME"
 GPU_UUID_PREFIX = "GPU-"
 
 
@@ -61,6 +67,16 @@ def omni_replica(environ: dict[str, str] | os._Environ[str] | None = None) -> in
         return None
     value = _int_or(text.strip(), -1)
     return value if value >= 0 else None
+
+
+def pod_info(environ: Mapping[str, str] | None = None) -> PodInfo:
+    """The pod, namespace and container the deploy manifests put in the environment; None where unset or blank."""
+    env = os.environ if environ is None else environ
+
+    def read(name: str) -> str | None:
+        return env.get(name, "").strip() or None
+
+    return PodInfo(name=read(ENV_POD_NAME), namespace=read(ENV_POD_NAMESPACE), container=read(ENV_CONTAINER_NAME))
 
 
 def engine_identity(runner: Any) -> EngineIdentity:

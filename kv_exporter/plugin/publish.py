@@ -66,6 +66,7 @@ def build_manifest(runner: Any, phase: Phase, settings: HookSettings, reader: Gp
         collector=collector,
         declarations=to_declarations(pairs),
         baseline=base,
+        pod=identity.pod_info(),
     )
     try:  # the sidecar reads strictly: say here, once, if it is going to reject this file
         parse_manifest(manifest.to_json().encode(), "<kv-exporter hook>")

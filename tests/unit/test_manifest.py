@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,23 +13,26 @@ import jsonschema
 import pytest
 
 from kv_exporter.manifest import (
+    SCHEMA_VERSIONS,
     Declaration,
     EngineIdentity,
+    Manifest,
     ManifestError,
     ManifestLimits,
+    PodInfo,
     ProcessInfo,
     manifest_filename,
     manifest_schema,
     parse_manifest,
     read_manifest,
+    schema_path,
     write_manifest,
 )
+from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation
 from kv_exporter.reference import MINICPM_O, QWEN3_TTS
 from tests.unit.manifests import reference_manifest
 
-SCHEMA = json.loads(
-    (Path(__file__).parents[2] / "kv_exporter" / "schema" / "manifest.schema.json").read_text(encoding="utf-8")
-)
+SCHEMA = json.loads(schema_path().read_text(encoding="utf-8"))
 
 
 def test_round_trip_through_a_file(tmp_path: Path) -> None:
@@ -39,9 +43,10 @@ def test_round_trip_through_a_file(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left behind
 
 
-def test_the_committed_schema_is_the_one_the_code_generates() -> None:
-    # One source for the contract: the dataclasses. `python deploy/generate.py` rewrites the file.
-    assert manifest_schema() == SCHEMA
+@pytest.mark.parametrize("version", SCHEMA_VERSIONS)
+def test_the_committed_schemas_are_the_ones_the_code_generates(version: int) -> None:
+    # One source for the contract: the dataclasses. `python deploy/generate.py` rewrites the files.
+    assert manifest_schema(version) == json.loads(schema_path(version).read_text(encoding="utf-8"))
 
 
 def test_written_manifest_validates_against_the_json_schema(tmp_path: Path) -> None:
@@ -149,7 +154,7 @@ MALFORMED: dict[str, tuple[bytes, str, str]] = {
         "invalid_json",
         "duplicate",
     ),
-    "future schema version": (mutate(set_path("schema_version", 2)), "unsupported_schema_version", "got 2"),
+    "future schema version": (mutate(set_path("schema_version", 3)), "unsupported_schema_version", "got 3"),
     "schema version as string": (mutate(set_path("schema_version", "1")), "wrong_type", "schema_version"),
     "missing engine": (mutate(delete_path("engine")), "missing_field", "engine"),
     "missing declaration field": (mutate(delete_path("declarations.0.rows")), "missing_field", "rows"),
@@ -268,3 +273,90 @@ def test_declaration_from_a_foreign_spec_object() -> None:
     assert declaration.rows_at(17) == 17
     assert declaration.rows_at(0) == 0
     assert declaration.row_count(0) == 1
+
+
+# -- schema version 2: pod identity and the observation ----------------------------------------------------------
+
+OBSERVATION = Observation(
+    state=ObservationState.OK,
+    reason="",
+    interval_s=10.0,
+    taken_at=1_764_480_005.5,
+    duration_s=0.0004,
+    owners=(OwnerObservation("talker.code_predictor.codec_decoder", 9_437_184, 2), OwnerObservation("vocoder", 512, 1)),
+    cuda=CudaMemory(allocated_bytes=3 << 30, reserved_bytes=4 << 30),
+)
+
+
+def observed_manifest() -> Manifest:
+    pod = PodInfo(name="qwen3-tts-7f9c", namespace="tts", container="engine")
+    return replace(reference_manifest(QWEN3_TTS), pod=pod, observation=OBSERVATION)
+
+
+def test_a_version_2_manifest_with_pod_and_observation_round_trips(tmp_path: Path) -> None:
+    manifest = observed_manifest()
+    document = json.loads(write_manifest(tmp_path, manifest).read_text())
+    assert document["schema_version"] == 2 and document["observation"]["owners"][1] == {
+        "owner": "vocoder",
+        "bytes": 512,
+        "caches": 1,
+    }
+    jsonschema.validate(document, SCHEMA)
+    assert read_manifest(tmp_path / manifest_filename(manifest.engine)) == manifest
+
+
+def version_1_document() -> dict[str, Any]:
+    document = good_document()
+    del document["pod"], document["observation"]
+    document["schema_version"] = 1
+    return document
+
+
+def test_a_version_1_manifest_from_an_older_hook_is_still_read() -> None:
+    # An operator upgrading the sidecar before the engine image must not lose the engine's declarations.
+    document = version_1_document()
+    jsonschema.validate(document, json.loads(schema_path(1).read_text()))
+    manifest = parse_manifest(json.dumps(document).encode(), "v1.json")
+    assert manifest.schema_version == 1 and manifest.observation is None and manifest.pod == PodInfo()
+    assert manifest.declarations == reference_manifest(QWEN3_TTS).declarations
+
+
+@pytest.mark.parametrize("field", ["pod", "observation"])
+def test_a_version_1_manifest_may_not_carry_version_2_fields(field: str) -> None:
+    document = version_1_document()
+    document[field] = None if field == "observation" else {"name": None, "namespace": None, "container": None}
+    with pytest.raises(ManifestError) as caught:
+        parse_manifest(json.dumps(document).encode(), "v1.json")
+    assert (caught.value.reason, field in caught.value.detail) == ("unknown_field", True)
+
+
+BAD_OBSERVATIONS: dict[str, tuple[Any, str]] = {
+    "not an object": ([1, 2], "wrong_type"),
+    "unknown state": ({"state": "great"}, "unknown_enum"),
+    "negative bytes": ({"owners": [{"owner": "a", "bytes": -1, "caches": 1}]}, "out_of_range"),
+    "a petabyte and more": ({"owners": [{"owner": "a", "bytes": (1 << 50) + 1, "caches": 1}]}, "out_of_range"),
+    "bytes as a string": ({"owners": [{"owner": "a", "bytes": "9", "caches": 1}]}, "wrong_type"),
+    "an owner twice": (
+        {"owners": [{"owner": "a", "bytes": 1, "caches": 1}, {"owner": "a", "bytes": 2, "caches": 1}]},
+        "duplicate_owner",
+    ),
+    "NaN-free but infinite interval": ({"interval_s": 1e300}, "out_of_range"),
+    "a missing field": ({"taken_at": None}, "wrong_type"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OBSERVATIONS))
+def test_a_bad_observation_costs_the_observation_not_the_declarations(case: str) -> None:
+    change, reason = BAD_OBSERVATIONS[case]
+    document = json.loads(observed_manifest().to_json())
+    if isinstance(change, dict):
+        document["observation"].update(change)
+    else:
+        document["observation"] = change
+    manifest = parse_manifest(json.dumps(document).encode(), "m.json")
+    assert manifest.observation is None
+    assert manifest.observation_problem is not None and manifest.observation_problem.reason == reason
+    assert manifest.declarations == observed_manifest().declarations
+    if reason != "duplicate_owner":  # a rule across items, which JSON Schema cannot say
+        with pytest.raises(jsonschema.ValidationError):  # the schema refuses it too, for other readers
+            jsonschema.validate(document, SCHEMA)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kv_exporter.manifest import DeviceInfo
+from kv_exporter.manifest import DeviceInfo, PodInfo
 from kv_exporter.plugin import identity
 from kv_exporter.plugin.identity import VisibleDevice, map_visible_ordinal, parse_visible_devices
 
@@ -78,3 +78,13 @@ def test_device_info(monkeypatch: pytest.MonkeyPatch) -> None:
     # No CUDA here: torch cannot tell the UUID, so it stays None; the index comes from CUDA_VISIBLE_DEVICES.
     assert identity.device_info(runner(device=torch.device("cuda", 1))) == DeviceInfo("cuda", 7, None)
     assert identity.device_info(runner()) == DeviceInfo(kind="unknown")
+
+
+def test_pod_identity_comes_from_the_environment_the_deploy_manifests_set() -> None:
+    environ = {
+        identity.ENV_POD_NAME: "qwen3-tts-7f9c",
+        identity.ENV_POD_NAMESPACE: " tts ",
+        identity.ENV_CONTAINER_NAME: "",
+    }
+    assert identity.pod_info(environ) == PodInfo(name="qwen3-tts-7f9c", namespace="tts", container=None)
+    assert identity.pod_info({}) == PodInfo()  # outside Kubernetes: unknown, never guessed

@@ -177,6 +177,16 @@ def test_publishes_every_declaration_with_identity(tmp_path: Path, caplog: pytes
                for r in caplog.records)  # fmt: skip
 
 
+def test_the_pod_the_deploy_manifests_name_is_in_the_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KV_EXPORTER_POD_NAME", "engine-0")
+    monkeypatch.setenv("KV_EXPORTER_POD_NAMESPACE", "serving")
+    monkeypatch.setenv("KV_EXPORTER_CONTAINER_NAME", "vllm")
+    path = publish(runner(two_owner_model()), Phase.LOAD, settings_for(tmp_path))
+    assert path is not None
+    pod = read_manifest(path).pod
+    assert (pod.name, pod.namespace, pod.container) == ("engine-0", "serving", "vllm")
+
+
 def test_the_replica_of_a_vllm_omni_stage_is_the_engine_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_OMNI_REPLICA_ID", "4")
     path = publish(runner(two_owner_model(), stage_id=1, dp_index=0), Phase.WARMUP, settings_for(tmp_path))
