@@ -24,10 +24,11 @@ from prometheus_client.exposition import choose_encoder
 from sidecar import SimulatedGpus
 
 from kv_exporter.sidecar.app import GZIP_LEVEL, ExporterApp
-from kv_exporter.sidecar.collection import Collection, CollectionSettings, assess, read_gpus
+from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
 from kv_exporter.sidecar.exposition import Fixed
 from kv_exporter.sidecar.families import families
+from kv_exporter.sidecar.inputs import assess, read_gpus
 from kv_exporter.sidecar.snapshot import build_snapshot
 
 

@@ -28,7 +28,8 @@ from kv_exporter.procfs import current_pid_namespace
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
 from kv_exporter.sidecar.families import families
 from kv_exporter.sidecar.inputs import EnginePages, ManifestStore, assess, read_gpus
-from kv_exporter.sidecar.snapshot import DEFAULT_MAX_SERIES, GpuResult, Snapshot, build_snapshot
+from kv_exporter.sidecar.records import GpuResult
+from kv_exporter.sidecar.snapshot import DEFAULT_MAX_SERIES, Snapshot, build_snapshot
 
 log = logging.getLogger(__name__)
 

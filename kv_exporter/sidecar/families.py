@@ -8,7 +8,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kv_exporter import __version__
 from kv_exporter.sidecar.exposition import GaugeRows
-from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, PageResult, Snapshot
+from kv_exporter.sidecar.records import PageResult
+from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, Snapshot
 
 # -- metric families -----------------------------------------------------------------------------------------
 

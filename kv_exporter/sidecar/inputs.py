@@ -32,7 +32,7 @@ from kv_exporter.sidecar.engine_page import (
     read_engine,
 )
 from kv_exporter.sidecar.liveness import State, Verdict, classify
-from kv_exporter.sidecar.snapshot import GpuResult, ManifestEntry, PageResult, on_device
+from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, on_device
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ import time
 from collections.abc import Iterable, Sequence
 
 from kv_exporter import __version__
-from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, ManifestEntry, PageResult, Snapshot
+from kv_exporter.sidecar.records import ManifestEntry, PageResult
+from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, Snapshot
 from kv_exporter.sidecar.units import human_bytes
 
 _STYLE = """

@@ -13,7 +13,7 @@ from typing import Any
 from kv_exporter.manifest import Declaration, Manifest, ManifestError
 from kv_exporter.procfs import current_pid_namespace
 from kv_exporter.sidecar.inputs import ManifestStore, assess
-from kv_exporter.sidecar.snapshot import ManifestEntry
+from kv_exporter.sidecar.records import ManifestEntry
 from kv_exporter.sidecar.units import human_bytes
 
 

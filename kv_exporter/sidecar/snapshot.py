@@ -10,93 +10,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from kv_exporter.gpu import SOURCE_SIMULATED, GpuMemory, GpuReadError
-from kv_exporter.manifest import (
-    Declaration,
-    Manifest,
-    ManifestError,
-)
-from kv_exporter.sidecar.engine_page import (
-    EngineKey,
-    EnginePage,
-    EnginePageError,
-)
+from kv_exporter.gpu import GpuMemory
+from kv_exporter.manifest import Declaration, Manifest
+from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.liveness import State, Verdict
-
-# -- inputs, as records ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ManifestEntry:
-    """One manifest file: a valid manifest with its liveness verdict, or why it is invalid."""
-
-    path: str
-    manifest: Manifest | None
-    verdict: Verdict
-    error: ManifestError | None = None
-
-    @property
-    def live(self) -> bool:
-        return self.verdict.state is State.LIVE
-
-
-@dataclass(frozen=True)
-class PageResult:
-    target: str
-    page: EnginePage | None
-    error: EnginePageError | None
-    seconds: float
-
-
-@dataclass(frozen=True)
-class GpuResult:
-    """One pass over the GPU reader. `devices` is empty when it could not be read; `error` says why."""
-
-    enabled: bool
-    source: str | None
-    devices: tuple[GpuMemory, ...] = ()
-    processes: dict[int, dict[int, int]] = field(default_factory=dict)  # NVML index -> pid -> bytes
-    error: GpuReadError | None = None
-    device_errors: tuple[GpuReadError, ...] = ()
-
-    @property
-    def up(self) -> bool:
-        return self.enabled and self.error is None
-
-
-def on_device(manifest: Manifest, device: GpuMemory) -> bool:
-    """A manifest's GPU by UUID when it recorded one, else by NVML index."""
-    return _placed_on(manifest.device.uuid or "", manifest.device.index, device)
-
-
-def _placed_on(uuid: str, index: int | None, device: GpuMemory) -> bool:
-    if uuid:
-        return uuid == device.uuid
-    return index is not None and index == device.index
-
-
-def placement(manifest: Manifest, gpu: GpuResult) -> tuple[int | None, str]:
-    """(index, UUID) of the GPU a manifest's declarations sit on.
-
-    As recorded, except that a simulated device stands in for the GPU of an engine that recorded none (a CPU
-    engine in the demo or the end-to-end tests): that is what simulating a device is for. Real NVML readings never
-    adopt anything, and a simulation adopts only when it is the one device, so nothing is guessed.
-    """
-    recorded = manifest.device
-    if recorded.uuid is None and recorded.index is None and gpu.source == SOURCE_SIMULATED and len(gpu.devices) == 1:
-        return gpu.devices[0].index, gpu.devices[0].uuid
-    return recorded.index, recorded.uuid or ""
-
-
-def _uuid_index(manifest: Manifest, gpu: GpuResult) -> tuple[str, int | None]:
-    index, uuid = placement(manifest, gpu)
-    return uuid, index
-
-
-# -- the snapshot --------------------------------------------------------------------------------------------
+from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, placement
 
 
 @dataclass(frozen=True)
@@ -286,9 +207,7 @@ def gpu_views(gpu: GpuResult, entries: Sequence[ManifestEntry], views: Views) ->
     result = []
     # Grouped in one pass each, not one pass per device (docs/benchmarks.md, target 1).
     views_at = _by_place(((v.uuid, None if v.gpu == "" else int(v.gpu)), v) for v in views)
-    pids_at = _by_place(
-        (_uuid_index(e.manifest, gpu), e.manifest.process.pid) for e in entries if e.manifest is not None and e.live
-    )
+    pids_at = _by_place((_place(e.manifest, gpu), e.manifest.process.pid) for e in entries if e.manifest and e.live)
     for device in gpu.devices:
         mine = _placed(views_at, device)
         pids = set(_placed(pids_at, device))
@@ -306,7 +225,14 @@ def gpu_views(gpu: GpuResult, entries: Sequence[ManifestEntry], views: Views) ->
     return result
 
 
-_Place = tuple[str, int | None]  # (UUID or "", index): what `_placed_on` matches a device by
+_Place = tuple[str, int | None]  # (UUID or "", index): what `records.on_device` matches a device by
+
+
+def _place(manifest: Manifest, gpu: GpuResult) -> _Place:
+    index, uuid = placement(manifest, gpu)
+    return uuid, index
+
+
 P = TypeVar("P")
 
 

@@ -17,19 +17,13 @@ from hypothesis import strategies as st
 from kv_exporter.gpu import GpuMemory, SimulatedGpu
 from kv_exporter.manifest import Manifest, write_manifest
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
-from kv_exporter.sidecar.collection import Collection, CollectionSettings, ManifestStore, SingleFlight, assess
+from kv_exporter.sidecar.collection import Collection, CollectionSettings, SingleFlight
 from kv_exporter.sidecar.engine_page import EngineTarget, scan_page
 from kv_exporter.sidecar.families import families
+from kv_exporter.sidecar.inputs import ManifestStore, assess
 from kv_exporter.sidecar.liveness import State
-from kv_exporter.sidecar.snapshot import (
-    DeclarationView,
-    GpuResult,
-    ManifestEntry,
-    PageResult,
-    Snapshot,
-    build_snapshot,
-    safe_max_num_seqs,
-)
+from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult
+from kv_exporter.sidecar.snapshot import DeclarationView, Snapshot, build_snapshot, safe_max_num_seqs
 from tests.unit.fake_engine import fake_engine, vllm_page_with
 from tests.unit.manifests import reference_manifest
 
