@@ -27,7 +27,7 @@ from kv_exporter.manifest import DEFAULT_LIMITS, ManifestLimits
 from kv_exporter.procfs import current_pid_namespace
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
 from kv_exporter.sidecar.families import families
-from kv_exporter.sidecar.inputs import EnginePages, ManifestStore, assess, read_gpus
+from kv_exporter.sidecar.inputs import EnginePages, ManifestStore, ObservationAccount, assess, read_gpus
 from kv_exporter.sidecar.records import GpuResult
 from kv_exporter.sidecar.snapshot import DEFAULT_MAX_SERIES, Snapshot, build_snapshot
 
@@ -95,6 +95,7 @@ class Collection:
         self.our_namespace = current_pid_namespace() if our_namespace is None else our_namespace
         self.store = ManifestStore(settings.manifest_dir, settings.manifest_limits)
         self.pages = EnginePages(settings.targets, settings.fetch_timeout_s, settings.max_page_bytes)
+        self.observations = ObservationAccount()
         self.nvml_errors_total: Counter[str] = Counter()
         self._last_nvml_error: str | None = None
         self._last_dropped: tuple[str, ...] = ()
@@ -108,6 +109,8 @@ class Collection:
         pages = self.pages.read_all()
         gpu = read_gpus(self.gpu_reader, entries)
         self._account_gpu(gpu)
+        now = time.time()
+        self.observations.account(entries, now)
         snapshot = build_snapshot(
             entries,
             pages,
@@ -118,8 +121,9 @@ class Collection:
             manifest_errors_total=dict(self.store.errors_total),
             page_errors_total=dict(self.pages.errors_total),
             nvml_errors_total=dict(self.nvml_errors_total),
+            observation_errors_total=dict(self.observations.errors_total),
             duration_s=time.perf_counter() - started,
-            taken_at=time.time(),
+            taken_at=now,
         )
         self._account_series(snapshot.series_dropped)
         return snapshot

@@ -7,15 +7,22 @@ from collections.abc import Iterable, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kv_exporter import __version__
+from kv_exporter.manifest import PodInfo
+from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.exposition import GaugeRows
+from kv_exporter.sidecar.observed import Observed, ObservedState
 from kv_exporter.sidecar.records import PageResult
 from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, Snapshot
 
 # -- metric families -----------------------------------------------------------------------------------------
 
-DECLARATION_LABELS = ("model_name", "stage", "engine", "owner", "cache", "scope", "driver", "gpu", "UUID")
+# The worker's pod, as kube-state-metrics and dcgm-exporter name it ("" outside Kubernetes).
+POD_LABELS = ("pod", "namespace", "container")
+DECLARATION_LABELS = ("model_name", "stage", "engine", "owner", "cache", "scope", "driver", "gpu", "UUID", *POD_LABELS)
 INFO_EXTRA_LABELS = ("dtype", "capacity_source", "rows_fixed", "rows_reason", "allocation_note")
-ENGINE_LABELS = ("model_name", "stage", "engine")
+ENGINE_LABELS = ("model_name", "stage", "engine", *POD_LABELS)
+OWNER_LABELS = ("model_name", "stage", "engine", "owner", "gpu", "UUID", *POD_LABELS)
+ENGINE_GPU_LABELS = ("model_name", "stage", "engine", "gpu", "UUID", *POD_LABELS)
 GPU_LABELS = ("gpu", "UUID", "source")
 
 SAFE_MAX_NUM_SEQS_HELP = (
@@ -25,19 +32,18 @@ SAFE_MAX_NUM_SEQS_HELP = (
 )
 
 
+def _pod(pod: PodInfo) -> tuple[str, str, str]:
+    return (pod.name or "", pod.namespace or "", pod.container or "")
+
+
+def _engine(key: EngineKey) -> tuple[str, str, str]:
+    return (key.model_name, str(key.stage), str(key.engine))
+
+
 def _declaration_labels(view: DeclarationView) -> tuple[str, ...]:
     d = view.declaration
-    return (
-        view.model_name,
-        str(view.stage),
-        str(view.engine),
-        d.owner,
-        d.name,
-        d.scope.value,
-        d.rows.value,
-        view.gpu,
-        view.uuid,
-    )
+    where = (view.gpu, view.uuid, *_pod(view.pod))
+    return (view.model_name, str(view.stage), str(view.engine), d.owner, d.name, d.scope.value, d.rows.value, *where)
 
 
 def declaration_families(views: Sequence[DeclarationView]) -> list[Metric]:
@@ -94,7 +100,7 @@ def engine_families(engines: Sequence[EngineView], pages: Sequence[PageResult]) 
         ENGINE_LABELS,
     )
     for view in engines:
-        labels = (view.key.model_name, str(view.key.stage), str(view.key.engine))
+        labels = (*_engine(view.key), *_pod(view.pod))
         if view.running is not None:
             running.add_metric(labels, view.running)
         if view.max_num_seqs is not None:
@@ -118,7 +124,13 @@ def gpu_families(gpus: Sequence[GpuView]) -> list[Metric]:
     )
     peak = GaugeRows(
         "model_local_kv_gpu_projected_peak_bytes",
-        "NVML used + sum over this GPU's live declarations of (ceiling - estimate).",
+        "NVML used + sum over this GPU's live declarations of (ceiling - estimate) + the unexplained growth.",
+        GPU_LABELS,
+    )
+    growth = GaugeRows(
+        "model_local_kv_gpu_unexplained_growth_bytes",
+        "The part of the projected peak that observation adds: bytes no declaration explains, per running "
+        "sequence, times the sequences still to come (0 while every owner holds at most what it declares).",
         GPU_LABELS,
     )
     headroom = GaugeRows(
@@ -135,10 +147,63 @@ def gpu_families(gpus: Sequence[GpuView]) -> list[Metric]:
         for pid, value in view.processes.items():
             process.add_metric((*labels, str(pid)), value)
         peak.add_metric(labels, view.projected_peak)
+        growth.add_metric(labels, view.unexplained_growth)
         headroom.add_metric(labels, view.headroom)
         if view.safe_max_num_seqs is not None:
             safe.add_metric(labels, view.safe_max_num_seqs)
-    return [total, used, free, process, peak, headroom, safe]
+    return [total, used, free, process, peak, growth, headroom, safe]
+
+
+def observed_families(observed: Observed) -> list[Metric]:
+    held = GaugeRows(
+        "model_local_kv_observed_bytes",
+        "Storage the owner's live transformers caches hold at the engine's last observation, each storage counted "
+        "once, summed over the engine's workers on this GPU (0: a declaring owner holding nothing).",
+        OWNER_LABELS,
+    )
+    caches = GaugeRows("model_local_kv_observed_caches", "Live cache objects the owner holds.", OWNER_LABELS)
+    unexplained = GaugeRows(
+        "model_local_kv_unexplained_bytes",
+        "max(0, observed - the owner's declared ceiling at max_num_seqs); all of it for an owner declaring nothing.",
+        OWNER_LABELS,
+    )
+    for owner in observed.owners:
+        labels: tuple[str, ...] = (*_engine(owner.key), owner.owner, owner.gpu, owner.uuid, *_pod(owner.pod))
+        held.add_metric(labels, owner.observed_bytes)
+        caches.add_metric(labels, owner.caches)
+        unexplained.add_metric(labels, owner.unexplained_bytes)
+    state = GaugeRows(
+        "model_local_kv_observation_state",
+        "1 for the state of the engine's observation (the worst of its workers'), 0 for the others: ok, off, "
+        "unavailable, failing, stale (the sampler stopped), absent (the manifest has none), rejected (unreadable).",
+        (*ENGINE_LABELS, "state"),
+    )
+    age = GaugeRows(
+        "model_local_kv_observation_age_seconds",
+        "Seconds since the oldest usable sample of the engine's workers.",
+        ENGINE_LABELS,
+    )
+    for engine in observed.engines:
+        labels = (*_engine(engine.key), *_pod(engine.pod))
+        for name in ObservedState:
+            state.add_metric((*labels, name.value), int(name is engine.state))
+        if engine.age_s is not None:
+            age.add_metric(labels, engine.age_s)
+    allocated = GaugeRows(
+        "model_local_kv_observed_cuda_allocated_bytes",
+        "torch.cuda.memory_allocated() of the engine's workers on this GPU, at their last observation.",
+        ENGINE_GPU_LABELS,
+    )
+    reserved = GaugeRows(
+        "model_local_kv_observed_cuda_reserved_bytes",
+        "torch.cuda.memory_reserved() of the engine's workers on this GPU, at their last observation.",
+        ENGINE_GPU_LABELS,
+    )
+    for cuda in observed.cuda:
+        labels = (*_engine(cuda.key), cuda.gpu, cuda.uuid, *_pod(cuda.pod))
+        allocated.add_metric(labels, cuda.allocated_bytes)
+        reserved.add_metric(labels, cuda.reserved_bytes)
+    return [held, caches, unexplained, state, age, allocated, reserved]
 
 
 def exporter_families(snapshot: Snapshot) -> list[Metric]:
@@ -168,6 +233,13 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
         ("reason",),
         [((reason,), count) for reason, count in snapshot.nvml_errors_total.items()],
     )
+    observation_errors = _counter(
+        "model_local_kv_observation_errors",
+        "Observations refused and never exported as figures, by reason: unreadable ones once per file version, "
+        "stale ones once per sample, ones from a dead process once per file version.",
+        ("reason",),
+        [((reason,), count) for reason, count in snapshot.observation_errors_total.items()],
+    )
     dropped = GaugeMetricFamily(
         "model_local_kv_series_limit_dropped_manifests",
         "Live manifests left out of this page because their series would exceed --max-series (newest first).",
@@ -178,7 +250,7 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
     )
     build = GaugeRows("model_local_kv_exporter_build_info", "kv-exporter version (value 1).", ("version",))
     build.add_metric((__version__,), 1)
-    return [nvml_up, manifests, manifest_errors, page_errors, nvml_errors, dropped, duration, build]
+    return [nvml_up, manifests, manifest_errors, page_errors, nvml_errors, observation_errors, dropped, duration, build]
 
 
 def _counter(
@@ -195,5 +267,6 @@ def families(snapshot: Snapshot) -> list[Metric]:
         *declaration_families(snapshot.declarations),
         *engine_families(snapshot.engines, snapshot.pages),
         *gpu_families(snapshot.gpus),
+        *observed_families(snapshot.observed),
         *exporter_families(snapshot),
     ]

@@ -24,6 +24,7 @@ from kv_exporter.manifest import (
     is_manifest_name,
     read_manifest,
 )
+from kv_exporter.observation import ObservationState
 from kv_exporter.sidecar.engine_page import (
     DEFAULT_MAX_PAGE_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -32,6 +33,7 @@ from kv_exporter.sidecar.engine_page import (
     read_engine,
 )
 from kv_exporter.sidecar.liveness import State, Verdict, classify
+from kv_exporter.sidecar.observed import ObservedState, worker_state
 from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, on_device
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,37 @@ class ManifestStore:
             log.warning("invalid manifest %s", exc)
             self.errors_total[exc.reason] += 1
             return exc
+
+
+class ObservationAccount:
+    """Counts the observations that are refused rather than exported, each once: an unreadable one or one from a
+    dead process once per file version, a stale one once per sample."""
+
+    def __init__(self) -> None:
+        self.errors_total: Counter[str] = Counter()
+        self._counted: set[tuple[str, str, float]] = set()
+
+    def account(self, entries: Sequence[ManifestEntry], now: float) -> None:
+        refused = {key for key in (_refusal(entry, now) for entry in entries) if key is not None}
+        for path, reason, _ in sorted(refused - self._counted):
+            log.warning("observation in %s refused: %s", path, reason)
+            self.errors_total[reason] += 1
+        self._counted = refused
+
+
+def _refusal(entry: ManifestEntry, now: float) -> tuple[str, str, float] | None:
+    m = entry.manifest
+    if m is None:
+        return None
+    if m.observation_problem is not None:
+        return entry.path, m.observation_problem.reason, m.written_at
+    if m.observation is None or m.observation.state is not ObservationState.OK:
+        return None
+    if not entry.live:
+        return entry.path, "dead_process", m.written_at
+    if worker_state(m, now) is ObservedState.STALE:
+        return entry.path, "stale", m.observation.taken_at
+    return None
 
 
 def assess(

@@ -5,11 +5,12 @@ And where a manifest's declarations sit: `placement` is the one rule that puts a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kv_exporter.gpu import SOURCE_SIMULATED, GpuMemory, GpuReadError
 from kv_exporter.manifest import Manifest, ManifestError
-from kv_exporter.sidecar.engine_page import EnginePage, EnginePageError
+from kv_exporter.sidecar.engine_page import EngineKey, EnginePage, EnginePageError
 from kv_exporter.sidecar.liveness import State, Verdict
 
 
@@ -73,3 +74,13 @@ def placement(manifest: Manifest, gpu: GpuResult) -> tuple[int | None, str]:
     if recorded.uuid is None and recorded.index is None and gpu.source == SOURCE_SIMULATED and len(gpu.devices) == 1:
         return gpu.devices[0].index, gpu.devices[0].uuid
     return recorded.index, recorded.uuid or ""
+
+
+def engine_key(manifest: Manifest) -> EngineKey:
+    e = manifest.engine
+    return EngineKey(e.model_name, e.stage, e.engine_index)
+
+
+def first_rank(manifests: Sequence[Manifest]) -> Manifest:
+    """The manifest that speaks for its engine where one value is needed (its pod): the lowest DP, PP, TP ranks."""
+    return min(manifests, key=lambda m: (m.engine.data_parallel_rank, m.engine.pp_rank, m.engine.tp_rank))

@@ -1,19 +1,23 @@
-"""`kv-exporter report`: the declarations in a manifest folder as a terminal table or JSON; no server.
+"""`kv-exporter report`: the declarations in a manifest folder, and what the caches really hold beside them, as a
+terminal table or JSON; no server.
 
-For capacity planning: each manifest's declarations at its own max_num_seqs, or at `--max-num-seqs N`.
+For capacity planning: each manifest's declarations at its own max_num_seqs, or at `--max-num-seqs N`; per owner,
+its declared ceiling beside the bytes its worker last observed (the sidecar's own arithmetic, `observed.observe`).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kv_exporter.manifest import Declaration, Manifest, ManifestError
 from kv_exporter.procfs import current_pid_namespace
 from kv_exporter.sidecar.inputs import ManifestStore, assess
-from kv_exporter.sidecar.records import ManifestEntry
+from kv_exporter.sidecar.observed import ObservedState, OwnerView, observe, worker_state
+from kv_exporter.sidecar.records import GpuResult, ManifestEntry
 from kv_exporter.sidecar.units import human_bytes
 
 
@@ -51,24 +55,20 @@ def _title(entry: ManifestEntry, manifest: Manifest, seqs: int) -> str:
 
 
 _HEADERS = ("owner", "cache", "scope", "driver", "rows", "per row", "total")
+_OBSERVED_HEADERS = ("owner", "declared ceiling", "observed", "unexplained", "caches")
 
 
 def _table(rows: Sequence[ReportRow]) -> list[str]:
     cells = [
-        (
-            r.owner or "(root)",
-            r.cache,
-            r.scope,
-            r.driver,
-            str(r.rows),
-            human_bytes(r.per_row),
-            human_bytes(r.total),
-        )
+        (r.owner or "(root)", r.cache, r.scope, r.driver, str(r.rows), human_bytes(r.per_row), human_bytes(r.total))
         for r in rows
     ]
     cells.append(("", "", "", "", "", "total", human_bytes(sum(r.total for r in rows))))
-    widths = [max(len(row[i]) for row in [_HEADERS, *cells]) for i in range(len(_HEADERS))]
-    numeric = {4, 5, 6}
+    return _aligned(_HEADERS, cells, numeric={4, 5, 6})
+
+
+def _aligned(headers: Sequence[str], cells: Sequence[Sequence[str]], numeric: set[int]) -> list[str]:
+    widths = [max(len(row[i]) for row in [headers, *cells]) for i in range(len(headers))]
 
     def line(row: Sequence[str]) -> str:
         parts = [
@@ -77,10 +77,42 @@ def _table(rows: Sequence[ReportRow]) -> list[str]:
         ]
         return "  ".join(parts).rstrip()
 
-    return [line(_HEADERS), line(["-" * w for w in widths]), *(line(row) for row in cells)]
+    return [line(headers), line(["-" * w for w in widths]), *(line(row) for row in cells)]
 
 
-def render_text(entries: Sequence[ManifestEntry], max_num_seqs: int | None, folder: str) -> str:
+@dataclass(frozen=True)
+class ObservedReport:
+    state: ObservedState
+    detail: str  # the worker's reason, or why its observation was refused
+    age_s: float | None
+    owners: tuple[OwnerView, ...]
+
+
+def observed_report(entry: ManifestEntry, max_num_seqs: int | None, now: float) -> ObservedReport:
+    """One worker's observation beside its declarations (at `--max-num-seqs` when given)."""
+    assert entry.manifest is not None
+    m = entry.manifest if max_num_seqs is None else replace(entry.manifest, max_num_seqs=max_num_seqs)
+    state = worker_state(m, now)
+    problem = m.observation_problem
+    detail = f"{problem.reason}: {problem.detail}" if problem else (m.observation.reason if m.observation else "")
+    owners = observe([replace(entry, manifest=m)], {}, GpuResult(enabled=False, source=None), now).owners
+    age = now - m.observation.taken_at if m.observation and state is ObservedState.OK else None
+    return ObservedReport(state, detail, age, owners)
+
+
+def _observed_lines(report: ObservedReport, live: bool) -> list[str]:
+    age = f", sampled {report.age_s:.1f} s ago" if report.age_s is not None else ""
+    why = f": {report.detail}" if report.detail else ""
+    head = f"observation: {report.state.value}{age}{why}" + ("" if live else " (not used: the manifest is not live)")
+    cells = [
+        (o.owner or "(root)", human_bytes(o.ceiling_bytes) if o.declares else "-", human_bytes(o.observed_bytes),
+         human_bytes(o.unexplained_bytes), str(o.caches))
+        for o in report.owners
+    ]  # fmt: skip
+    return [head, *(_aligned(_OBSERVED_HEADERS, cells, numeric={1, 2, 3, 4}) if cells else [])]
+
+
+def render_text(entries: Sequence[ManifestEntry], max_num_seqs: int | None, folder: str, now: float) -> str:
     out: list[str] = []
     grand = 0
     valid = [e for e in entries if e.manifest is not None]
@@ -89,7 +121,8 @@ def render_text(entries: Sequence[ManifestEntry], max_num_seqs: int | None, fold
         seqs = entry.manifest.max_num_seqs if max_num_seqs is None else max_num_seqs
         rows = manifest_rows(entry.manifest, max_num_seqs)
         grand += sum(r.total for r in rows)
-        out += [_title(entry, entry.manifest, seqs), *_table(rows), ""]
+        observed = _observed_lines(observed_report(entry, max_num_seqs, now), entry.live)
+        out += [_title(entry, entry.manifest, seqs), *_table(rows), *observed, ""]
     invalid = [e for e in entries if e.manifest is None]
     for entry in invalid:
         out.append(f"invalid: {entry.error}")
@@ -99,7 +132,7 @@ def render_text(entries: Sequence[ManifestEntry], max_num_seqs: int | None, fold
     return "\n".join([*out, total_line]) + "\n"
 
 
-def render_json(entries: Sequence[ManifestEntry], max_num_seqs: int | None, folder: str) -> str:
+def render_json(entries: Sequence[ManifestEntry], max_num_seqs: int | None, folder: str, now: float) -> str:
     manifests: list[dict[str, Any]] = []
     for entry in entries:
         if entry.manifest is None:
@@ -133,6 +166,7 @@ def render_json(entries: Sequence[ManifestEntry], max_num_seqs: int | None, fold
                     for r in rows
                 ],
                 "total_bytes": sum(r.total for r in rows),
+                "observation": _observed_json(observed_report(entry, max_num_seqs, now)),
             }
         )
     invalid = [_invalid(e.path, e.error) for e in entries if e.error is not None]
@@ -146,6 +180,24 @@ def render_json(entries: Sequence[ManifestEntry], max_num_seqs: int | None, fold
     return json.dumps(document, indent=2) + "\n"
 
 
+def _observed_json(report: ObservedReport) -> dict[str, Any]:
+    return {
+        "state": report.state.value,
+        "detail": report.detail,
+        "age_s": report.age_s,
+        "owners": [
+            {
+                "owner": o.owner,
+                "declared_ceiling_bytes": o.ceiling_bytes if o.declares else None,
+                "observed_bytes": o.observed_bytes,
+                "unexplained_bytes": o.unexplained_bytes,
+                "caches": o.caches,
+            }
+            for o in report.owners
+        ],
+    }
+
+
 def _invalid(path: str, error: ManifestError) -> dict[str, str]:
     return {"path": path, "reason": error.reason, "detail": error.detail}
 
@@ -157,5 +209,5 @@ def run_report(folder: str, max_num_seqs: int | None, as_json: bool) -> tuple[st
     if store.folder_error is not None:
         return f"cannot read manifest folder {folder}: {store.folder_error}\n", 2
     render = render_json if as_json else render_text
-    text = render(entries, max_num_seqs, folder)
+    text = render(entries, max_num_seqs, folder, time.time())
     return text, 1 if any(e.manifest is None for e in entries) else 0

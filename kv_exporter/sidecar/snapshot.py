@@ -8,16 +8,16 @@ the same snapshot.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from kv_exporter.gpu import GpuMemory
-from kv_exporter.manifest import Declaration, Manifest
+from kv_exporter.manifest import Declaration, Manifest, PodInfo
 from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.liveness import State, Verdict
-from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, placement
+from kv_exporter.sidecar.observed import Observed, ObservedState, OwnerView, observe
+from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, engine_key, first_rank, placement
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class DeclarationView:
     engine: int
     gpu: str
     uuid: str
+    pod: PodInfo
     declaration: Declaration
     max_num_seqs: int
     running: int | None
@@ -52,6 +53,7 @@ class DeclarationView:
 @dataclass(frozen=True)
 class EngineView:
     key: EngineKey
+    pod: PodInfo  # of its first-rank manifest; unknown for an engine only a page shows
     up: bool
     running: int | None
     max_num_seqs: int | None
@@ -64,9 +66,10 @@ class GpuView:
     memory: GpuMemory
     source: str
     projected_peak: int
-    safe_max_num_seqs: int | None  # None: no max_num_seqs-driven declaration on this GPU
+    safe_max_num_seqs: int | None  # None: nothing on this GPU scales with max_num_seqs
     processes: dict[int, int]  # matched manifest pid -> NVML used bytes
     declarations: int
+    unexplained_growth: int  # the part of the projected peak that observation adds to the declarations' growth
 
     @property
     def headroom(self) -> int:
@@ -88,6 +91,8 @@ class Snapshot:
     manifest_folder_error: str | None
     duration_s: float
     taken_at: float
+    observed: Observed = field(default_factory=Observed)
+    observation_errors_total: dict[str, int] = field(default_factory=dict)
     series_dropped: tuple[str, ...] = ()  # live manifests left out by the series cap (paths)
 
     def manifest_counts(self) -> dict[State, int]:
@@ -114,11 +119,6 @@ def running_counts(pages: Sequence[PageResult]) -> RunningCounts:
     return found
 
 
-def engine_key(manifest: Manifest) -> EngineKey:
-    e = manifest.engine
-    return EngineKey(e.model_name, e.stage, e.engine_index)
-
-
 def declaration_views(
     entries: Sequence[ManifestEntry], running: dict[EngineKey, tuple[int, str]], gpu: GpuResult
 ) -> list[DeclarationView]:
@@ -139,6 +139,7 @@ def declaration_views(
                     engine=m.engine.engine_index,
                     gpu="" if index is None else str(index),
                     uuid=uuid,
+                    pod=m.pod,
                     declaration=d,
                     max_num_seqs=m.max_num_seqs,
                     running=known[0] if known else None,
@@ -152,36 +153,38 @@ def declaration_views(
 
 
 def engine_views(entries: Sequence[ManifestEntry], running: RunningCounts) -> list[EngineView]:
-    manifests: Counter[EngineKey] = Counter()
-    max_seqs: dict[EngineKey, int] = {}
+    workers: dict[EngineKey, list[Manifest]] = {}
     for entry in entries:
         if entry.manifest is not None and entry.live:
-            key = engine_key(entry.manifest)
-            manifests[key] += 1
-            max_seqs[key] = max(max_seqs.get(key, 0), entry.manifest.max_num_seqs)
+            workers.setdefault(engine_key(entry.manifest), []).append(entry.manifest)
     views = []
-    for key in sorted(set(manifests) | set(running)):
+    for key in sorted(set(workers) | set(running)):
         known = running.get(key)
+        mine = workers.get(key, [])
         views.append(
             EngineView(
                 key=key,
+                pod=first_rank(mine).pod if mine else PodInfo(),
                 up=known is not None,
                 running=known[0] if known else None,
-                max_num_seqs=max_seqs.get(key),
-                manifests=manifests[key],
+                max_num_seqs=max((m.max_num_seqs for m in mine), default=None),
+                manifests=len(mine),
                 target=known[1] if known else None,
             )
         )
     return views
 
 
-def safe_max_num_seqs(device: GpuMemory, views: Sequence[DeclarationView]) -> int | None:
+def safe_max_num_seqs(
+    device: GpuMemory, views: Sequence[DeclarationView], owners: Sequence[OwnerView] = ()
+) -> int | None:
     """Largest M with used + sum(bytes_per_row * max(0, M - estimated rows)) <= total, over this GPU's
-    max_num_seqs-driven declarations (every engine on the GPU at the same M); None when there are none."""
-    # (bytes_per_row, estimated rows) pairs: the search below evaluates peak() ~30 times per GPU.
+    max_num_seqs-driven declarations and the owners whose unexplained bytes grow with running sequences (every
+    engine on the GPU at the same M); None when there are none."""
+    # (bytes per row, rows now) pairs: the search below evaluates peak() ~30 times per GPU.
     scaling = [
         (v.declaration.bytes_per_row, v.estimate_rows) for v in views if v.declaration.rows.scales_with_max_num_seqs
-    ]
+    ] + [(o.unexplained_per_sequence, o.running or 0) for o in owners if o.unexplained_per_sequence]
     if not scaling:
         return None
 
@@ -203,26 +206,36 @@ def safe_max_num_seqs(device: GpuMemory, views: Sequence[DeclarationView]) -> in
     return low
 
 
-def gpu_views(gpu: GpuResult, entries: Sequence[ManifestEntry], views: Views) -> list[GpuView]:
+def gpu_views(
+    gpu: GpuResult, entries: Sequence[ManifestEntry], views: Views, owners: Sequence[OwnerView]
+) -> list[GpuView]:
     result = []
     # Grouped in one pass each, not one pass per device (docs/benchmarks.md, target 1).
-    views_at = _by_place(((v.uuid, None if v.gpu == "" else int(v.gpu)), v) for v in views)
+    views_at = _by_place(((v.uuid, _index(v.gpu)), v) for v in views)
+    owners_at = _by_place(((o.uuid, _index(o.gpu)), o) for o in owners)
     pids_at = _by_place((_place(e.manifest, gpu), e.manifest.process.pid) for e in entries if e.manifest and e.live)
     for device in gpu.devices:
         mine = _placed(views_at, device)
+        held = _placed(owners_at, device)
         pids = set(_placed(pids_at, device))
         listed = gpu.processes.get(device.index, {})
+        unexplained_growth = sum(o.unexplained_growth_bytes for o in held)
         result.append(
             GpuView(
                 memory=device,
                 source=gpu.source or "",
-                projected_peak=device.used + sum(v.headroom_needed for v in mine),
-                safe_max_num_seqs=safe_max_num_seqs(device, mine),
+                projected_peak=device.used + sum(v.headroom_needed for v in mine) + unexplained_growth,
+                safe_max_num_seqs=safe_max_num_seqs(device, mine, held),
                 processes={pid: listed[pid] for pid in sorted(pids) if pid in listed},
                 declarations=len(mine),
+                unexplained_growth=unexplained_growth,
             )
         )
     return result
+
+
+def _index(gpu_label: str) -> int | None:
+    return None if gpu_label == "" else int(gpu_label)
 
 
 _Place = tuple[str, int | None]  # (UUID or "", index): what `records.on_device` matches a device by
@@ -253,7 +266,8 @@ def _placed(groups: dict[_Place, list[P]], device: GpuMemory) -> list[P]:
 # per-engine families for its engine. Per-GPU and per-page series are bounded by the hardware and the configuration,
 # not by what a declarer writes, so only these count against the series cap.
 SERIES_PER_DECLARATION = 5
-SERIES_PER_ENGINE = 4
+SERIES_PER_OWNER = 3  # observed bytes, cache objects, unexplained bytes
+SERIES_PER_ENGINE = 4 + len(ObservedState) + 1 + 2  # + observation state, its age, torch's two figures
 # 10,000 declarations' worth: far above a real node (a few engines per GPU, a handful of caches each), and still a
 # page Prometheus takes in one scrape (~13 MB of text, ~1-2 s on two cores).
 DEFAULT_MAX_SERIES = SERIES_PER_DECLARATION * 10_000
@@ -261,7 +275,9 @@ DEFAULT_MAX_SERIES = SERIES_PER_DECLARATION * 10_000
 
 def manifest_series(manifest: Manifest) -> int:
     """The most series one live manifest can add to the page."""
-    return SERIES_PER_DECLARATION * len(manifest.declarations) + SERIES_PER_ENGINE
+    owners = {d.owner for d in manifest.declarations}
+    owners.update(o.owner for o in (manifest.observation.owners if manifest.observation else ()))
+    return SERIES_PER_DECLARATION * len(manifest.declarations) + SERIES_PER_OWNER * len(owners) + SERIES_PER_ENGINE
 
 
 def _age(entry: ManifestEntry) -> tuple[float, str]:
@@ -308,21 +324,24 @@ def build_snapshot(
     manifest_errors_total: dict[str, int] | None = None,
     page_errors_total: dict[tuple[str, str], int] | None = None,
     nvml_errors_total: dict[str, int] | None = None,
+    observation_errors_total: dict[str, int] | None = None,
     duration_s: float = 0.0,
     taken_at: float = 0.0,
 ) -> Snapshot:
-    """Pure: the same inputs give the same snapshot."""
+    """Pure: the same inputs give the same snapshot. `taken_at` is also the time observations are judged at."""
     kept, dropped = limit_series(entries, max_series)
     running = running_counts(pages)
     views = declaration_views(kept, running, gpu)
+    observed = observe(kept, running, gpu, taken_at)
     # The cap limits series, not truth: left-out manifests still count in their GPU's projected peak.
     unexported = declaration_views(dropped, running, gpu) if dropped else []
+    unexported_owners = observe(dropped, running, gpu, taken_at).owners if dropped else ()
     return Snapshot(
         manifests=tuple(_mark_dropped(entries, dropped) if dropped else entries),
         declarations=tuple(views),
         engines=tuple(engine_views(kept, running)),
         pages=tuple(pages),
-        gpus=tuple(gpu_views(gpu, entries, [*views, *unexported])),
+        gpus=tuple(gpu_views(gpu, entries, [*views, *unexported], [*observed.owners, *unexported_owners])),
         gpu=gpu,
         manifest_errors_total=dict(manifest_errors_total or {}),
         page_errors_total=dict(page_errors_total or {}),
@@ -331,5 +350,7 @@ def build_snapshot(
         manifest_folder_error=manifest_folder_error,
         duration_s=duration_s,
         taken_at=taken_at,
+        observed=observed,
+        observation_errors_total=dict(observation_errors_total or {}),
         series_dropped=tuple(sorted(e.path for e in dropped)),
     )

@@ -8,10 +8,12 @@ the scrape duration. To regenerate after a reviewed change: KV_EXPORTER_UPDATE_G
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
+import time
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -19,11 +21,13 @@ from pathlib import Path
 import pytest
 
 from kv_exporter.gpu import HOST_PID_NAMESPACE, SimulatedGpu
-from kv_exporter.manifest import write_manifest
+from kv_exporter.manifest import PodInfo, manifest_filename, write_manifest
+from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
+from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
-from kv_exporter.sidecar.http import ExporterApp, build_server, serve_in_thread
+from kv_exporter.sidecar.http import build_server, serve_in_thread
 from tests.unit.fake_engine import OMNI_MODEL, OMNI_PAGE, VLLM_MODEL, VLLM_PAGE, closed_port_url, fake_engine
 from tests.unit.manifests import reference_manifest
 
@@ -33,13 +37,31 @@ UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 SIDECAR_NS = "pid:[4026532000]"  # not the manifests' namespace: liveness by the newest-incarnation rule
 
 
+# What the page's engine holds: three codec caches of a whole 72-position window each (the storage a sliding layer
+# really keeps, docs/cache-bytes.md), and a vocoder cache it never declared.
+CODEC_OWNER = QWEN3_TTS.declarations[0][0]
+WINDOW_ROW = 4_718_592
+
+
+def observed(taken_at: float) -> Observation:
+    owners = (OwnerObservation(CODEC_OWNER, 3 * WINDOW_ROW, 3), OwnerObservation("vocoder", 524_288, 1))
+    return Observation(ObservationState.OK, "", 10.0, taken_at, 0.0004, owners, CudaMemory(21 * GIB, 22 * GIB))
+
+
 def write_inputs(folder: Path, served_model: str) -> None:
-    """The fixed manifests: the page's model (Qwen3-TTS geometry), an engine no page shows, a restarted
-    engine's stale leftover, a manifest on a GPU the reader does not have, and a broken file."""
-    write_manifest(folder, reference_manifest(ReferenceModel(served_model, QWEN3_TTS.declarations), pid=4242))
-    write_manifest(folder, reference_manifest(MIMO_AUDIO, max_num_seqs=64, pid=4300))
+    """The fixed manifests: the page's model (Qwen3-TTS geometry, observed in a pod), an engine no page shows (its
+    observation off), a restarted engine's stale leftover, a manifest from an older hook (schema version 1, no
+    observation) on a GPU the reader does not have, and a broken file."""
+    qwen = reference_manifest(ReferenceModel(served_model, QWEN3_TTS.declarations), pid=4242)
+    pod = PodInfo(name="tts-0", namespace="serving", container="engine")
+    write_manifest(folder, replace(qwen, pod=pod, observation=observed(time.time() - 1)))
+    off = Observation(ObservationState.OFF, "KV_EXPORTER_OBSERVE_INTERVAL=0", 0.0, 0.0, 0.0)
+    write_manifest(folder, replace(reference_manifest(MIMO_AUDIO, max_num_seqs=64, pid=4300), observation=off))
     current = reference_manifest(MINICPM_O, max_num_seqs=8, pid=4400, gpu=1)
-    write_manifest(folder, current)
+    document = json.loads(current.to_json())
+    del document["pod"], document["observation"]
+    path = folder / manifest_filename(current.engine)
+    path.write_text(json.dumps({**document, "schema_version": 1}))
     # The same MiniCPM-o engine before its container restarted (another pid namespace, written earlier),
     # rank 1: the restarted engine has a single rank, so only a hard kill could have left this file behind.
     old = replace(
@@ -76,6 +98,7 @@ def scrape(folder: Path, page: bytes) -> str:
             thread.join(5)
     text = text.replace(engine.url, "http://127.0.0.1:ENGINE/metrics")
     text = text.replace(down, "http://127.0.0.1:DOWN/metrics")
+    text = re.sub(r"(?m)^(model_local_kv_observation_age_seconds\{.*\}) \S+$", r"\1 AGE", text)
     return re.sub(r"(?m)^(model_local_kv_scrape_duration_seconds) \S+$", r"\1 DURATION", text)
 
 
@@ -113,7 +136,7 @@ def test_golden_figures_by_hand() -> None:
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool (apt-get install prometheus)")
 @pytest.mark.parametrize("golden", ["vllm-0.32.prom", "vllm-omni-0.30.prom"])
 def test_promtool_accepts_the_exposition(golden: str) -> None:
-    text = (GOLDEN / golden).read_text().replace("DURATION", "0.01")
+    text = (GOLDEN / golden).read_text().replace(" DURATION\n", " 0.01\n").replace(" AGE\n", " 1.0\n")
     command = ["promtool", "check", "metrics"]
     result = subprocess.run(command, input=text, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

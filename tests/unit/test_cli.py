@@ -13,15 +13,17 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_exporter.manifest import write_manifest
+from kv_exporter.manifest import ProcessInfo, write_manifest
+from kv_exporter.observation import Observation, ObservationState, OwnerObservation
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS, REFERENCE_MODELS
 from kv_exporter.sidecar.cli import main, parse_simulated_gpu, parse_size
-from kv_exporter.sidecar.report import human_bytes
+from kv_exporter.sidecar.units import human_bytes
 from kv_exporter.web.reload import RELOAD_METRIC
 from tests.unit.manifests import reference_manifest
 
@@ -126,6 +128,38 @@ def test_report_json_with_override_and_a_bad_file(tmp_path: Path, capsys: pytest
     assert doc["invalid"] == [
         {"path": str(tmp_path / "bad.json"), "reason": "wrong_type", "detail": doc["invalid"][0]["detail"]}
     ]
+
+
+def test_report_puts_what_the_caches_hold_beside_what_they_declare(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    owner = QWEN3_TTS.declarations[0][0]
+    held = (OwnerObservation(owner, 3 * 4_718_592, 3), OwnerObservation("vocoder", 524_288, 1))
+    sample = Observation(ObservationState.OK, "", 10.0, time.time() - 2, 0.001, held)
+    # This test process wrote it, so the report (in this pid namespace) checks it live in /proc.
+    alive = replace(reference_manifest(QWEN3_TTS, max_num_seqs=8), process=ProcessInfo.current(), observation=sample)
+    write_manifest(tmp_path, alive)
+    assert main(["report", "--manifest-dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("observation: ok, sampled ") for line in lines)
+    codec = next(
+        line for line in lines if line.startswith(owner) and "MiB" in line and "codec" not in line[len(owner) :]
+    )
+    ceiling = (8 + 8 + 31) * 4_653_056
+    assert codec.split()[1:] == [*human_bytes(ceiling).split(), *human_bytes(3 * 4_718_592).split(), "0", "B", "3"]
+    vocoder = next(line for line in lines if line.startswith("vocoder"))
+    assert vocoder.split()[1:] == ["-", "512.00", "KiB", "512.00", "KiB", "1"]  # declares nothing: all unexplained
+    assert main(["report", "--manifest-dir", str(tmp_path), "--json"]) == 0
+    (doc,) = json.loads(capsys.readouterr().out)["manifests"]
+    owners = {o["owner"]: o for o in doc["observation"]["owners"]}
+    assert owners["vocoder"] == {
+        "owner": "vocoder",
+        "declared_ceiling_bytes": None,
+        "observed_bytes": 524_288,
+        "unexplained_bytes": 524_288,
+        "caches": 1,
+    }
+    assert owners[owner]["declared_ceiling_bytes"] == ceiling and doc["observation"]["state"] == "ok"
 
 
 def test_report_unreadable_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

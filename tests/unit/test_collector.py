@@ -23,7 +23,7 @@ from kv_exporter.sidecar.families import families
 from kv_exporter.sidecar.inputs import ManifestStore, assess
 from kv_exporter.sidecar.liveness import State
 from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult
-from kv_exporter.sidecar.snapshot import DeclarationView, Snapshot, build_snapshot, safe_max_num_seqs
+from kv_exporter.sidecar.snapshot import DeclarationView, Snapshot, build_snapshot, manifest_series, safe_max_num_seqs
 from tests.unit.fake_engine import fake_engine, vllm_page_with
 from tests.unit.manifests import reference_manifest
 
@@ -291,7 +291,7 @@ def test_every_family_is_documented_and_in_the_contract() -> None:
     docs = (Path(__file__).resolve().parent.parent.parent / "docs").resolve()
     snap = snapshot([reference_manifest(QWEN3_TTS)], [page("Qwen3-TTS", 1)])
     names = {f.name + ("_total" if f.type == "counter" else "") for f in families(snap)}
-    assert len(names) == 25
+    assert len(names) == 34
     for doc in ("metrics.md", "CONTRACTS.md"):
         text = (docs / doc).read_text()
         missing = {n for n in names if f"`{n}" not in text}
@@ -304,7 +304,7 @@ def test_series_cap_leaves_series_out_but_not_the_projection() -> None:
     gpu = GpuResult(True, "simulated", (gpu0(),))
     pages = [page("Qwen3-TTS", 17), page("MiniCPM-o", 0)]
     full = build_snapshot(entries, pages, gpu)
-    capped = build_snapshot(entries, pages, gpu, max_series=5 * len(QWEN3_TTS.declarations) + 4)
+    capped = build_snapshot(entries, pages, gpu, max_series=manifest_series(manifests[0]))
     assert len(capped.series_dropped) == 1
     assert len(capped.declarations) < len(full.declarations)
     assert capped.gpus[0].projected_peak == full.gpus[0].projected_peak

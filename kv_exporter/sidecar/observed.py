@@ -1,0 +1,227 @@
+"""The observed half of a snapshot: what each owner's live caches hold, beside what it declared (pure, no I/O).
+
+Per engine, the state of its workers' observations (never a silent absence). Per owner of a live engine on a GPU:
+the bytes and cache objects its workers' samples report, summed over those workers, the ceiling its declarations
+give at max_num_seqs, and the bytes no declaration explains. A declaring owner that holds nothing is there at 0; an
+owner that holds caches without declaring anything is there with all its bytes unexplained.
+
+Only a fresh sample counts: a worker's figures are used while its state is `ok`, and never once the sample is older
+than `STALE_AFTER_INTERVALS` intervals (plus a grace for the sample-to-scrape phase): a sampler that stopped cannot
+keep reporting what it last saw.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from kv_exporter.manifest import Manifest, PodInfo
+from kv_exporter.observation import ObservationState
+from kv_exporter.sidecar.engine_page import EngineKey
+from kv_exporter.sidecar.records import GpuResult, ManifestEntry, engine_key, first_rank, placement
+
+STALE_AFTER_INTERVALS = 3
+STALE_GRACE_S = 10.0
+
+
+class ObservedState(str, Enum):
+    """A worker's observation as the sidecar sees it: the worker's own state, or why there is none to use."""
+
+    OK = "ok"
+    OFF = "off"
+    UNAVAILABLE = "unavailable"
+    FAILING = "failing"
+    STALE = "stale"  # the last sample is too old: the sampler stopped
+    ABSENT = "absent"  # the manifest has no observation (schema version 1, or a writer that does not observe)
+    REJECTED = "rejected"  # the manifest's observation could not be read (counted by reason)
+
+
+# An engine with several workers shows the worst of their states.
+_WORST_FIRST = (
+    ObservedState.REJECTED,
+    ObservedState.FAILING,
+    ObservedState.STALE,
+    ObservedState.UNAVAILABLE,
+    ObservedState.ABSENT,
+    ObservedState.OFF,
+    ObservedState.OK,
+)
+
+
+def worker_state(manifest: Manifest, now: float) -> ObservedState:
+    if manifest.observation_problem is not None:
+        return ObservedState.REJECTED
+    observation = manifest.observation
+    if observation is None:
+        return ObservedState.ABSENT
+    if observation.state is not ObservationState.OK:
+        return ObservedState(observation.state.value)
+    if now - observation.taken_at > STALE_AFTER_INTERVALS * observation.interval_s + STALE_GRACE_S:
+        return ObservedState.STALE
+    return ObservedState.OK
+
+
+@dataclass(frozen=True)
+class OwnerView:
+    """One owner of one engine on one GPU: observed beside declared."""
+
+    key: EngineKey
+    gpu: str
+    uuid: str
+    pod: PodInfo
+    owner: str
+    observed_bytes: int
+    caches: int
+    ceiling_bytes: int  # its declarations' ceiling at max_num_seqs, over the same workers; 0 if it declares none
+    declares: bool
+    running: int | None  # the engine's running count, capped at max_num_seqs (None: unreadable)
+    max_num_seqs: int
+
+    @property
+    def unexplained_bytes(self) -> int:
+        return max(0, self.observed_bytes - self.ceiling_bytes)
+
+    @property
+    def unexplained_per_sequence(self) -> int:
+        """The unexplained bytes per running sequence (rounded up); 0 when nothing runs or nothing is unexplained."""
+        if not self.unexplained_bytes or not self.running:
+            return 0
+        return math.ceil(self.unexplained_bytes / self.running)
+
+    @property
+    def unexplained_growth_bytes(self) -> int:
+        """What the unexplained bytes may still grow by, taken as scaling with running sequences up to max_num_seqs.
+
+        A declaration known to be low cannot say how the rest grows. Scaling with the running count is the case the
+        design notes' history shows (a per-request cache declared as one fixed row) and the pessimistic choice for a
+        fixed allocation larger than declared, which is the right error to make for a projected peak.
+        """
+        if self.running is None:
+            return 0
+        return self.unexplained_per_sequence * max(0, self.max_num_seqs - self.running)
+
+
+@dataclass(frozen=True)
+class EngineObservation:
+    key: EngineKey
+    pod: PodInfo
+    state: ObservedState
+    age_s: float | None  # of its workers' oldest usable sample; None without one
+
+
+@dataclass(frozen=True)
+class CudaView:
+    """torch's allocator figures, summed over an engine's workers on one GPU."""
+
+    key: EngineKey
+    gpu: str
+    uuid: str
+    pod: PodInfo
+    allocated_bytes: int
+    reserved_bytes: int
+
+
+@dataclass(frozen=True)
+class Observed:
+    owners: tuple[OwnerView, ...] = ()
+    engines: tuple[EngineObservation, ...] = ()
+    cuda: tuple[CudaView, ...] = ()
+
+
+def _place(manifest: Manifest, gpu: GpuResult) -> tuple[str, str]:
+    index, uuid = placement(manifest, gpu)
+    return ("" if index is None else str(index)), uuid
+
+
+def observe(
+    entries: Sequence[ManifestEntry], running: dict[EngineKey, tuple[int, str]], gpu: GpuResult, now: float
+) -> Observed:
+    """The observed views of the live manifests in `entries`."""
+    live = [e.manifest for e in entries if e.live and e.manifest is not None]
+    usable = [m for m in live if worker_state(m, now) is ObservedState.OK]
+    return Observed(
+        owners=tuple(_owner_views(usable, running, gpu)),
+        engines=tuple(_engine_observations(live, now)),
+        cuda=tuple(_cuda_views(usable, gpu)),
+    )
+
+
+_OwnerKey = tuple[EngineKey, str, str, PodInfo, str]  # engine, gpu, UUID, pod, owner
+
+
+@dataclass
+class _Tally:
+    max_num_seqs: int
+    held: int = 0
+    caches: int = 0
+    ceiling: int = 0
+    declares: bool = False
+
+
+def _owner_views(
+    manifests: Iterable[Manifest], running: dict[EngineKey, tuple[int, str]], gpu: GpuResult
+) -> list[OwnerView]:
+    tallies: dict[_OwnerKey, _Tally] = {}
+    for m in manifests:
+        base = (engine_key(m), *_place(m, gpu), m.pod)
+        assert m.observation is not None  # usable ones have one
+        for held in m.observation.owners:
+            tally = tallies.setdefault((*base, held.owner), _Tally(m.max_num_seqs))
+            tally.held += held.bytes
+            tally.caches += held.caches
+        for d in m.declarations:
+            tally = tallies.setdefault((*base, d.owner), _Tally(m.max_num_seqs))
+            tally.ceiling += d.peak_bytes(m.max_num_seqs)
+            tally.declares = True
+    views = []
+    for (key, gpu_label, uuid, pod, owner), tally in tallies.items():
+        known = running.get(key)
+        views.append(
+            OwnerView(
+                key=key,
+                gpu=gpu_label,
+                uuid=uuid,
+                pod=pod,
+                owner=owner,
+                observed_bytes=tally.held,
+                caches=tally.caches,
+                ceiling_bytes=tally.ceiling,
+                declares=tally.declares,
+                running=min(known[0], tally.max_num_seqs) if known else None,
+                max_num_seqs=tally.max_num_seqs,
+            )
+        )
+    return sorted(views, key=lambda v: (v.key, v.gpu, v.uuid, v.owner))
+
+
+def _engine_observations(manifests: Iterable[Manifest], now: float) -> list[EngineObservation]:
+    by_engine: dict[EngineKey, list[Manifest]] = {}
+    for m in manifests:
+        by_engine.setdefault(engine_key(m), []).append(m)
+    result = []
+    for key, workers in sorted(by_engine.items()):
+        states = {worker_state(m, now) for m in workers}
+        taken = [m.observation.taken_at for m in workers if m.observation and worker_state(m, now) is ObservedState.OK]
+        result.append(
+            EngineObservation(
+                key=key,
+                pod=first_rank(workers).pod,
+                state=next(state for state in _WORST_FIRST if state in states),
+                age_s=max(0.0, now - min(taken)) if taken else None,
+            )
+        )
+    return result
+
+
+def _cuda_views(manifests: Iterable[Manifest], gpu: GpuResult) -> list[CudaView]:
+    sums: dict[tuple[EngineKey, str, str, PodInfo], list[int]] = {}
+    for m in manifests:
+        cuda = m.observation.cuda if m.observation else None
+        if cuda is None:
+            continue
+        row = sums.setdefault((engine_key(m), *_place(m, gpu), m.pod), [0, 0])
+        row[0] += cuda.allocated_bytes
+        row[1] += cuda.reserved_bytes
+    return [CudaView(k, g, u, p, a, r) for (k, g, u, p), (a, r) in sorted(sums.items(), key=lambda item: item[0][:3])]

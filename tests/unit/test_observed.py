@@ -1,0 +1,177 @@
+"""Observed beside declared, in the sidecar: the four kinds of owner the design notes' history calls for (truthful,
+under-declared, undeclared, declared and never allocating), freshness, refusals counted once, and a projected peak
+that stops trusting a declaration known to be low. Real manifests through the real reader and snapshot."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from kv_exporter.gpu import GpuMemory
+from kv_exporter.manifest import (
+    Declaration,
+    DeviceInfo,
+    EngineIdentity,
+    Manifest,
+    Phase,
+    ProcessInfo,
+    manifest_filename,
+    write_manifest,
+)
+from kv_exporter.observation import Observation, ObservationState, OwnerObservation
+from kv_exporter.protocol import ModelLocalKVScope, ModelLocalKVSpec, RowDriver
+from kv_exporter.sidecar.engine_page import scan_page
+from kv_exporter.sidecar.inputs import ManifestStore, ObservationAccount, assess
+from kv_exporter.sidecar.observed import STALE_AFTER_INTERVALS, STALE_GRACE_S, ObservedState
+from kv_exporter.sidecar.records import GpuResult, PageResult
+from kv_exporter.sidecar.snapshot import Snapshot, build_snapshot
+
+GIB = 1 << 30
+MODEL = "kvx-observed"
+UUID = "GPU-00000000-0000-0000-0000-0000000000aa"
+NOW = 1_764_480_100.0
+MAX_NUM_SEQS = 8
+ROW = 2 * 2 * 2 * 32 * 16 * 4  # layers x kv_heads x head_dim x positions x float32, K and V: 16,384 B
+UNDECLARED = 3 * ROW
+OTHER_NS = "pid:[1]"  # not the manifests' namespace: liveness by the newest-incarnation rule
+
+
+def spec(name: str, rows: RowDriver, **fixed: object) -> ModelLocalKVSpec:
+    geometry = {"layers": 2, "kv_heads": 2, "head_dim": 32, "physical_capacity_positions": 16, "dtype": "float32"}
+    return ModelLocalKVSpec(
+        name=name,
+        capacity_source="test",
+        scope=ModelLocalKVScope.REQUEST,
+        rows=rows,
+        **geometry,
+        **fixed,  # type: ignore[arg-type]
+    )
+
+
+DECLARATIONS = (
+    Declaration.from_spec("truthful", spec("pool", RowDriver.FIXED, rows_fixed=2, rows_reason="two buckets")),
+    Declaration.from_spec("under", spec("session", RowDriver.FIXED, rows_fixed=1, rows_reason="one session")),
+    Declaration.from_spec("never", spec("request", RowDriver.MAX_NUM_SEQS)),
+)
+
+
+def held(running: int) -> tuple[OwnerObservation, ...]:
+    """What the test architecture really holds: the truthful pool's two rows, a row per running sequence where one is
+    declared, an undeclared cache, and nothing for the max_num_seqs-driven declaration."""
+    return (
+        OwnerObservation("truthful", 2 * ROW, 2),
+        OwnerObservation("under", running * ROW, running),
+        OwnerObservation("undeclared", UNDECLARED, 1),
+    )
+
+
+def observation(running: int, taken_at: float = NOW - 1, interval: float = 10.0) -> Observation:
+    return Observation(ObservationState.OK, "", interval, taken_at, 0.001, held(running))
+
+
+def manifest(obs: Observation | None, tp_rank: int = 0, pid: int = 4242) -> Manifest:
+    return Manifest(
+        engine=EngineIdentity(model_name=MODEL, tp_rank=tp_rank),
+        process=ProcessInfo(pid=pid, start_time_ticks=1, pid_namespace="pid:[4026531836]", hostname="node-a"),
+        device=DeviceInfo(kind="cuda", index=0, uuid=UUID),
+        max_num_seqs=MAX_NUM_SEQS,
+        phase=Phase.WARMUP,
+        collector="kv_exporter",
+        declarations=DECLARATIONS,
+        written_at=NOW - 1,
+        observation=obs,
+    )
+
+
+def page(running: int) -> PageResult:
+    text = f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} {running}.0\n'
+    return PageResult("http://e/metrics", scan_page(text.encode()), None, 0.0)
+
+
+def device(used: int = 60 * GIB) -> GpuMemory:
+    return GpuMemory(0, UUID, "test GPU", 80 * GIB, used, 80 * GIB - used)
+
+
+def snapshot(manifests: list[Manifest], pages: list[PageResult], used: int = 60 * GIB) -> Snapshot:
+    entries = assess([(f"/m/{i}.json", m) for i, m in enumerate(manifests)], OTHER_NS)
+    return build_snapshot(entries, pages, GpuResult(True, "simulated", (device(used),)), taken_at=NOW)
+
+
+def owners(snap: Snapshot) -> dict[str, tuple[int, int, int, bool]]:
+    return {o.owner: (o.observed_bytes, o.unexplained_bytes, o.caches, o.declares) for o in snap.observed.owners}
+
+
+def test_each_kind_of_owner_shows_what_it_holds_beside_what_it_declares() -> None:
+    snap = snapshot([manifest(observation(running=5))], [page(5)])
+    assert owners(snap) == {
+        "truthful": (2 * ROW, 0, 2, True),  # holds its ceiling exactly
+        "under": (5 * ROW, 4 * ROW, 5, True),  # declared one row, holds one per running sequence
+        "undeclared": (UNDECLARED, UNDECLARED, 1, False),  # everything it holds is unexplained
+        "never": (0, 0, 0, True),  # declared max_num_seqs rows and holds nothing: exported at 0
+    }
+    (engine,) = snap.observed.engines
+    assert engine.state is ObservedState.OK and engine.age_s == 1.0
+
+
+def test_the_projection_stops_trusting_a_declaration_known_to_be_low() -> None:
+    used = 60 * GIB
+    snap = snapshot([manifest(observation(running=5))], [page(5)], used)
+    (gpu,) = snap.gpus
+    to_come = MAX_NUM_SEQS - 5
+    declared_growth = to_come * ROW  # the never-allocating max_num_seqs declaration: 8 rows ceiling, 5 estimated
+    unexplained_growth = (math.ceil(4 * ROW / 5) + math.ceil(UNDECLARED / 5)) * to_come
+    assert gpu.unexplained_growth == unexplained_growth
+    assert gpu.projected_peak == used + declared_growth + unexplained_growth
+    # The same declarations with nothing observed project only the declared growth: observation made it less rosy.
+    blind = snapshot([manifest(None)], [page(5)], used).gpus[0]
+    assert blind.projected_peak == used + declared_growth < gpu.projected_peak
+    assert gpu.safe_max_num_seqs is not None and blind.safe_max_num_seqs is not None
+    assert gpu.safe_max_num_seqs < blind.safe_max_num_seqs
+
+
+def test_nothing_is_extrapolated_while_nothing_runs_or_the_engine_cannot_be_read() -> None:
+    idle = snapshot([manifest(observation(running=0))], [page(0)]).gpus[0]
+    unreadable = snapshot([manifest(observation(running=0))], []).gpus[0]
+    assert idle.unexplained_growth == unreadable.unexplained_growth == 0
+
+
+def test_workers_of_one_engine_on_one_gpu_add_up() -> None:
+    workers = [manifest(observation(running=2), tp_rank=0), manifest(observation(running=2), tp_rank=1)]
+    snap = snapshot(workers, [page(2)])
+    assert owners(snap)["truthful"] == (4 * ROW, 0, 4, True)  # two workers' pools against two workers' ceilings
+    assert owners(snap)["undeclared"][:2] == (2 * UNDECLARED, 2 * UNDECLARED)
+
+
+def test_a_stale_sample_gives_no_figures_and_says_so() -> None:
+    old = NOW - (STALE_AFTER_INTERVALS * 10.0 + STALE_GRACE_S) - 1
+    snap = snapshot([manifest(observation(running=5, taken_at=old))], [page(5)])
+    assert snap.observed.owners == ()
+    (engine,) = snap.observed.engines
+    assert (engine.state, engine.age_s) == (ObservedState.STALE, None)
+    assert snap.gpus[0].unexplained_growth == 0
+
+
+def test_the_worst_worker_state_is_the_engines() -> None:
+    failing = Observation(ObservationState.FAILING, "sample raised MemoryError", 10.0, NOW - 1, 0.0)
+    snap = snapshot([manifest(observation(running=1)), manifest(failing, tp_rank=1)], [page(1)])
+    assert snap.observed.engines[0].state is ObservedState.FAILING
+    assert {o.owner for o in snap.observed.owners} == {"truthful", "under", "undeclared", "never"}  # the ok worker's
+
+
+def test_refused_observations_are_counted_once_each(tmp_path: Path) -> None:
+    fresh = write_manifest(tmp_path, manifest(observation(running=1)))
+    document = json.loads(fresh.read_text())
+    document["observation"]["owners"][0]["bytes"] = -1
+    bad = tmp_path / manifest_filename(dataclasses.replace(manifest(None).engine, tp_rank=1))
+    bad.write_text(json.dumps(document))
+    store, account = ManifestStore(str(tmp_path)), ObservationAccount()
+    for _ in range(3):  # three scrapes of the same files
+        entries = assess(store.load(), OTHER_NS)
+        account.account(entries, NOW)
+    assert account.errors_total == {"out_of_range": 1}
+    stale = NOW + STALE_AFTER_INTERVALS * 10.0 + STALE_GRACE_S + 1
+    for _ in range(2):
+        account.account(assess(store.load(), OTHER_NS), stale)
+    assert account.errors_total == {"out_of_range": 1, "stale": 1}  # once per sample, not per scrape
