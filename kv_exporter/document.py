@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -21,6 +22,13 @@ from typing import Any, Literal, TypeVar, Union
 
 # Integers in a document must survive any JSON reader exactly.
 MAX_SAFE_INT = 2**53 - 1
+# Strings: a name or label value at most NAME_MAX_CHARS, a `Prose` field at most PROSE_MAX_CHARS. Together with the
+# series cap they bound what one document can add to a scrape page.
+NAME_MAX_CHARS = 256
+PROSE_MAX_CHARS = 1024
+# What no string in a document may hold: C0/C1 control characters and DEL (a terminal or a page would act on them),
+# and lone surrogates (JSON's "\ud800" escapes decode to them; they cannot be encoded as UTF-8 at all).
+_FORBIDDEN_CHARACTERS = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 T = TypeVar("T")
 
@@ -43,6 +51,11 @@ class Since:
 @dataclass(frozen=True)
 class NotBlank:
     """A string with at least one non-space character."""
+
+
+@dataclass(frozen=True)
+class Prose:
+    """A string of explanation (PROSE_MAX_CHARS), not a name (NAME_MAX_CHARS)."""
 
 
 @dataclass(frozen=True)
@@ -251,6 +264,15 @@ def _number(f: _Field, value: object, where: str) -> float:
 def _text(f: _Field, value: object, where: str) -> str:
     if not isinstance(value, str):
         raise DocumentError("wrong_type", f"{where} must be a string, got {type(value).__name__}")
+    limit = PROSE_MAX_CHARS if f.marker(Prose) else NAME_MAX_CHARS
+    if len(value) > limit:
+        raise DocumentError("too_long", f"{where} has {len(value)} characters; at most {limit}")
+    forbidden = _FORBIDDEN_CHARACTERS.search(value)
+    if forbidden:
+        code = f"U+{ord(forbidden.group()):04X}"
+        raise DocumentError(
+            "invalid_string", f"{where} holds {code} at {forbidden.start()}: no control characters or lone surrogates"
+        )
     if f.marker(NotBlank) and not value.strip():
         raise DocumentError("invalid_value", f"{where} must not be blank")
     return value
@@ -292,6 +314,15 @@ def _object_schema(cls: type, version: int) -> dict[str, Any]:
     }
 
 
+def _string_schema(f: _Field) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string", "maxLength": PROSE_MAX_CHARS if f.marker(Prose) else NAME_MAX_CHARS}
+    # Lone surrogates cannot be said in a JSON Schema pattern (ECMA 262 sees UTF-16); the reader refuses them.
+    no_controls = "^[^\\u0000-\\u001f\\u007f-\\u009f]*$"
+    if f.marker(NotBlank):
+        return {**schema, "allOf": [{"pattern": no_controls}, {"pattern": r"\S"}]}
+    return {**schema, "pattern": no_controls}
+
+
 def _field_schema(f: _Field, version: int) -> dict[str, Any]:
     schema = _kind_schema(f, version)
     doc = f.marker(Doc)
@@ -323,6 +354,6 @@ def _kind_schema(f: _Field, version: int) -> dict[str, Any]:
     if choice is not None:
         return {"enum": list(choice.values)}
     if kind is str:
-        return {"type": "string", "pattern": r"\S"} if f.marker(NotBlank) else {"type": "string"}
+        return _string_schema(f)
     allowed = list(_allowed(kind))
     return {"const": allowed[0]} if len(allowed) == 1 else {"enum": allowed}

@@ -34,6 +34,7 @@ from kv_exporter.document import (
     Doc,
     DocumentError,
     NotBlank,
+    Prose,
     Range,
     Since,
     VersionField,
@@ -61,6 +62,7 @@ COLLECTORS: tuple[str, ...] = typing.get_args(CollectorName)
 Count = Annotated[int, Range(0)]
 Positive = Annotated[int, Range(1)]
 Name = Annotated[str, NotBlank()]
+Text = Annotated[str, Prose()]
 
 
 class Phase(str, Enum):
@@ -102,12 +104,12 @@ class Declaration:
     head_dim: Positive
     dtype: Annotated[str, Choice(tuple(ITEMSIZE), dtype_problem)]
     physical_capacity_positions: Positive
-    capacity_source: str
+    capacity_source: Text
     scope: ModelLocalKVScope
     rows: RowDriver
     rows_fixed: Annotated[Count, Doc("the count when rows is fixed (>= 1 then); ignored otherwise, as upstream")]
-    rows_reason: str
-    allocation_note: str | None
+    rows_reason: Text
+    allocation_note: Text | None
     itemsize: Annotated[Positive, Derived("its dtype")] = field(init=False)
     bytes_per_row: Annotated[
         Positive,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated
 
-from kv_exporter.document import Doc, Range
+from kv_exporter.document import Doc, Prose, Range
 
 # Bounds no real worker reaches: a figure beyond them is a corrupt or hostile document, never exported.
 MAX_OBSERVED_BYTES = 1 << 50  # 1 PiB
@@ -53,7 +53,7 @@ class CudaMemory:
 @dataclass(frozen=True)
 class Observation:
     state: ObservationState
-    reason: str  # why the state is not OK; "" when it is
+    reason: Annotated[str, Prose()]  # why the state is not OK; "" when it is
     interval_s: Annotated[float, Range(0, MAX_INTERVAL_S), Doc("how often the worker samples, seconds (0: off)")]
     taken_at: Annotated[float, Range(0), Doc("Unix time of the sample, seconds (0: none taken)")]
     duration_s: Annotated[float, Range(0, MAX_INTERVAL_S), Doc("wall time the sample took, seconds")]

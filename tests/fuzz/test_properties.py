@@ -12,6 +12,7 @@ import json
 import os
 import random
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -102,8 +103,10 @@ def test_the_size_limit_is_enforced_before_parsing(seed: bytes, max_bytes: int) 
 
 
 # A valid manifest, field by field, within the reader's documented ranges.
-_texts = st.text(max_size=40)
-_names = st.text(min_size=1, max_size=40).filter(str.strip)
+# Any character a document may hold: everything but control characters and lone surrogates (refused, see below).
+_allowed = st.characters(blacklist_categories=("Cc", "Cs"))
+_texts = st.text(_allowed, max_size=40)
+_names = st.text(_allowed, min_size=1, max_size=40).filter(str.strip)
 _counts = st.integers(0, MAX_SAFE_INT)
 
 
@@ -159,6 +162,25 @@ def manifests(draw: st.DrawFn) -> Manifest:
 @given(manifests())
 def test_every_valid_manifest_round_trips(manifest: Manifest) -> None:
     assert parse_manifest(manifest.to_json().encode(), "generated") == manifest
+
+
+_forbidden = st.characters(whitelist_categories=("Cc", "Cs"))
+
+
+@FUZZ
+@given(
+    manifests(), st.sampled_from(["engine.model_name", "process.hostname", "device.kind", "writer_version"]), _forbidden
+)
+def test_a_forbidden_character_in_any_string_is_refused_by_name(manifest: Manifest, field: str, bad: str) -> None:
+    document = json.loads(manifest.to_json())
+    *parents, last = field.split(".")
+    target = document
+    for key in parents:
+        target = target[int(key)] if key.isdigit() else target[key]
+    target[last] = f"a{bad}b"
+    with pytest.raises(ManifestError) as caught:  # json.dumps escapes a lone surrogate as \udXXX, as an attacker would
+        parse_manifest(json.dumps(document).encode(), "generated")
+    assert caught.value.reason == "invalid_string" and last in caught.value.detail
 
 
 # -- the engine-page scanner ---------------------------------------------------------------------------------------

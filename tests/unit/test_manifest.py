@@ -189,6 +189,14 @@ MALFORMED: dict[str, tuple[bytes, str, str]] = {
     "declaration not an object": (mutate(set_path("declarations.0", "x")), "wrong_type", "declarations[0]"),
     "pid zero": (mutate(set_path("process.pid", 0)), "out_of_range", "pid"),
     "uuid blank": (mutate(set_path("device.uuid", "")), "invalid_value", "uuid"),
+    "lone surrogate in a name": (GOOD.replace(b'"Qwen3-TTS"', b'"Qwen3\\ud800TTS"'), "invalid_string", "U+D800"),
+    "control character in prose": (
+        mutate(set_path("declarations.0.capacity_source", "71\x1b[2J")),
+        "invalid_string",
+        "capacity_source",
+    ),
+    "a name too long": (mutate(set_path("declarations.0.owner", "a" * 257)), "too_long", "owner"),
+    "prose too long": (mutate(set_path("declarations.0.allocation_note", "n" * 1025)), "too_long", "1025"),
     "duplicate declaration": (
         mutate(lambda d: d["declarations"].append(dict(d["declarations"][0]))),
         "duplicate_declaration",
@@ -212,7 +220,8 @@ def test_malformed_manifest_is_rejected_with_a_specific_reason(case: str) -> Non
 SCHEMA_LEVEL = sorted(
     name
     for name, (_, reason, detail) in MALFORMED.items()
-    if reason not in {"invalid_json", "not_utf8", "inconsistent", "duplicate_declaration"} and detail != "canonical"
+    if reason not in {"invalid_json", "not_utf8", "inconsistent", "duplicate_declaration"}
+    and detail not in {"canonical", "U+D800"}  # JSON Schema patterns cannot see a lone surrogate
 )
 
 
@@ -236,6 +245,16 @@ def test_unreadable_file_names_the_file(tmp_path: Path) -> None:
         read_manifest(tmp_path / "absent.json")
     assert caught.value.reason == "unreadable"
     assert str(tmp_path / "absent.json") in str(caught.value)
+
+
+def test_strings_at_their_limits_and_rare_characters_are_accepted() -> None:
+    # Non-characters, private use and astral-plane text are valid UTF-8: exported (escaped where needed), not refused.
+    document = good_document()
+    document["declarations"][0]["owner"] = "o" * 255 + "\ufffe"
+    document["declarations"][0]["allocation_note"] = "\U0001f600 \ue000 " + "n" * 1020
+    jsonschema.validate(document, SCHEMA)
+    manifest = parse_manifest(json.dumps(document).encode(), "m.json")
+    assert manifest.declarations[0].owner.endswith("\ufffe")
 
 
 def test_rows_fixed_is_ignored_unless_fixed(tmp_path: Path) -> None:
