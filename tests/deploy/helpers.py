@@ -31,6 +31,8 @@ KUSTOMIZE_ROOTS = [
 ]
 RULES = DEPLOY / "prometheus/kv-exporter.rules.yml"
 RULES_TEST = DEPLOY / "prometheus/kv-exporter.rules.test.yml"
+THRESHOLDS_EXAMPLE = DEPLOY / "prometheus/kv-exporter.thresholds.example.yml"
+THRESHOLDS_TEST = DEPLOY / "prometheus/kv-exporter.thresholds.test.yml"
 DASHBOARD = ROOT / "dashboards/kv-exporter.json"
 COMPOSE = DEPLOY / "compose/compose.yaml"
 COMPOSE_PROMETHEUS = DEPLOY / "compose/prometheus.yml"
