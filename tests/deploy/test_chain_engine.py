@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from kv_exporter.manifest import Manifest, read_manifest
+from tests.deploy.grafana import panels_without_data
 from tests.deploy.helpers import (
     RULES,
     Prometheus,
@@ -212,7 +213,7 @@ def test_ceiling_equals_the_declarations_at_max_num_seqs(chain: Chain) -> None:
 
 
 def test_every_dashboard_query_returns_data(chain: Chain) -> None:
-    missing = chain.prometheus.panels_without_data(30)
+    missing = panels_without_data(chain.prometheus, 30)
     assert not missing, "panels without data:\n" + "\n".join(missing)
 
 
