@@ -11,6 +11,10 @@ from typing import Any
 
 from tests.deploy.helpers import Prometheus, dashboard, dashboard_targets
 
+# vLLM's dashboards' variables (examples/observability in the vLLM repository), plus ours; named as their labels.
+FILTER_VARIABLES = ("job", "instance", "model_name", "stage", "engine", "gpu")
+# A metric and its label matchers, as the dashboard writes them (`on (...)`/`by (...)` lists hold no metric names).
+SELECTOR = re.compile(r"(?<![\w:])(model_local_kv_[a-z_]+|up)\b(\{[^}]*\})?")
 # The interval macros at the tests' short scrape interval.
 INTERVALS = {"__rate_interval": "1m", "__interval": "15s", "__range": "5m"}
 _REFERENCE = re.compile(r"\$(\w+)")

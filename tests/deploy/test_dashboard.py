@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from tests.deploy.grafana import interpolate
+from tests.deploy.grafana import FILTER_VARIABLES, SELECTOR, interpolate
 from tests.deploy.helpers import (
     ROOT,
     contract_metrics,
@@ -26,11 +26,7 @@ from tests.deploy.helpers import (
 )
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-# vLLM's dashboards' variables (examples/observability in the vLLM repository), plus ours; named as their labels.
-FILTER_VARIABLES = ("job", "instance", "model_name", "stage", "engine", "gpu")
 ALL = {"selected": True, "text": ["All"], "value": ["$__all"]}
-# A metric and its label matchers, as the dashboard writes them (`on (...)`/`by (...)` lists hold no metric names).
-SELECTOR = re.compile(r"(?<![\w:])(model_local_kv_[a-z_]+|up)\b(\{[^}]*\})?")
 
 
 def panels() -> list[dict[str, Any]]:

@@ -15,7 +15,14 @@ import pytest
 
 from kv_exporter.manifest import write_manifest
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS, ReferenceModel
-from tests.deploy.grafana import interpolate, query_variables, selection, variable_values
+from tests.deploy.grafana import (
+    FILTER_VARIABLES,
+    SELECTOR,
+    interpolate,
+    query_variables,
+    selection,
+    variable_values,
+)
 from tests.deploy.helpers import (
     RULES,
     THRESHOLDS_EXAMPLE,
@@ -24,7 +31,6 @@ from tests.deploy.helpers import (
     prometheus_config,
     start_prometheus,
 )
-from tests.deploy.test_dashboard import FILTER_VARIABLES, SELECTOR
 from tests.reliability.sidecar import Sidecar, live_manifest, sidecar, switchable_engine
 
 pytestmark = pytest.mark.e2e
