@@ -1,6 +1,6 @@
 """The kv-exporter Grafana dashboard, built with grafana-foundation-sdk.
 
-`python deploy/generate.py` writes it to dashboards/kv-exporter.json (and the Kubernetes copy); the tests check
+`python -m deploy.generate` writes it to dashboards/kv-exporter.json (and the Kubernetes copy); the tests check
 that the committed JSON is what this code builds. Queries use raw metrics only (docs/CONTRACTS.md), never the
 recording rules, so the dashboard works on a Prometheus that has not loaded deploy/prometheus.
 """
@@ -20,15 +20,23 @@ from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as model
 from grafana_foundation_sdk.models import prometheus as prom_model
 
+from kv_exporter.sidecar.thresholds import HEADROOM_ALERT_FRACTION
+
 UID = "kv-exporter"
 TITLE = "kv-exporter: model-local KV"
 DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
-# The scrape job the alerts and the dashboard agree on (deploy/prometheus/kv-exporter.rules.yml).
-EXPORTER_JOB = 'job="kv-exporter"'
+# What Grafana 11.0-11.3 write (the compose stack runs 11.3; vLLM's own dashboards use it too). The SDK flavour in
+# requirements-dev.txt targets Grafana 10.1 (schema 36); the migrations from 36 to 39 touch nothing this dashboard
+# uses (tests/deploy/test_dashboard.py checks the fields they rewrite are absent).
+SCHEMA_VERSION = 39
 
-ENGINE = 'model_name=~"$model", stage=~"$stage"'
-DECL = 'model_name=~"$model", stage=~"$stage", gpu=~"$gpu"'
-GPU = 'gpu=~"$gpu"'
+# Variables are named after the labels they filter (as in vLLM's dashboards), so a query's filter for a scope
+# is one matcher per label. A scope lists the variables that apply to a family's labels.
+Scope = tuple[str, ...]
+HOST: Scope = ("job", "instance")
+GPU: Scope = (*HOST, "gpu")
+ENGINE: Scope = (*HOST, "model_name", "stage", "engine")
+DECLARATION: Scope = (*ENGINE, "gpu")
 # Labels that identify one declaration series (CONTRACTS.md), used to join the info metric's text labels.
 DECL_KEY = "job, instance, model_name, stage, engine, owner, cache, scope, driver, gpu, UUID"
 DECL_INFO = "dtype, capacity_source, rows_fixed, rows_reason, allocation_note"
@@ -36,43 +44,60 @@ DECL_INFO = "dtype, capacity_source, rows_fixed, rows_reason, allocation_note"
 Panel = Any  # an SDK panel builder (timeseries.Panel, stat.Panel, table.Panel)
 
 
+def sel(metric: str, scope: Scope) -> str:
+    """`metric` filtered by the dashboard's variables for `scope`."""
+    matchers = ", ".join(f'{label}=~"${label}"' for label in scope)
+    return f"{metric}{{{matchers}}}" if scope else metric
+
+
 def query(expr: str, legend: str, ref: str, *, instant: bool = False) -> prom.Dataquery:
     q = prom.Dataquery().expr(expr).legend_format(legend).ref_id(ref)
     return q.instant() if instant else q.range()
 
 
-def label_variable(name: str, label: str, query_text: str, help_text: str) -> dash.QueryVariable:
-    return (
+ALL = model.VariableOption(selected=True, text=["All"], value=["$__all"])
+
+
+def chained(name: str, label: str, metric: str, parents: Scope, help_text: str) -> dash.QueryVariable:
+    """A multi-select variable with All whose values are `name`'s values among the series the parents select."""
+    variable = (
         dash.QueryVariable(name)
-        .id(name)
         .label(label)
         .description(help_text)
         .datasource(DATASOURCE)
-        .query(query_text)
+        .query(f"label_values({sel(metric, parents)}, {name})")
         .refresh(model.VariableRefresh.ON_TIME_RANGE_CHANGED)
         .sort(model.VariableSort.ALPHABETICAL_ASC)
         .multi(True)
         .include_all(True)
-        .all_value(".*")
-        .current(model.VariableOption(selected=True, text="All", value="$__all"))
+        .current(ALL)
     )
+    # All as `.*` keeps series whose label is empty (a declaration on no known GPU). Not for `job`: the health
+    # row reads `up`, which every scrape job has, so All there must mean the jobs that run kv-exporter (Grafana's
+    # default: the variable's values, joined).
+    return variable if name == "job" else variable.all_value(".*")
+
+
+# Every exporter exports its build info, and every engine it knows has a manifest count (0 when undeclared).
+EXPORTERS = "model_local_kv_exporter_build_info"
+ENGINES = "model_local_kv_engine_manifests"
 
 
 def variables() -> list[Any]:
     return [
-        dash.DatasourceVariable("datasource").id("datasource").label("Data source").type("prometheus"),
-        label_variable(
-            "model", "Model", "label_values(model_local_kv_max_num_seqs, model_name)", "vLLM's served model name"
+        dash.DatasourceVariable("datasource").label("Data source").type("prometheus"),
+        chained("job", "Job", EXPORTERS, (), "Prometheus scrape job of the kv-exporter sidecars"),
+        chained("instance", "Instance", EXPORTERS, ("job",), "A kv-exporter sidecar (host:port Prometheus scrapes)"),
+        chained("model_name", "Model", ENGINES, HOST, "vLLM's served model name"),
+        chained("stage", "Stage", ENGINES, (*HOST, "model_name"), "vllm-omni stage id (0 for plain vLLM)"),
+        chained(
+            "engine",
+            "Engine",
+            ENGINES,
+            (*HOST, "model_name", "stage"),
+            "vLLM's data-parallel engine index (vllm-omni's replica)",
         ),
-        label_variable(
-            "stage",
-            "Stage",
-            'label_values(model_local_kv_max_num_seqs{model_name=~"$model"}, stage)',
-            "vllm-omni stage id (0 for plain vLLM)",
-        ),
-        label_variable(
-            "gpu", "GPU", "label_values(model_local_kv_gpu_memory_total_bytes, gpu)", "GPU index as NVML reports it"
-        ),
+        chained("gpu", "GPU", "model_local_kv_gpu_memory_total_bytes", HOST, "GPU index as NVML reports it"),
     ]
 
 
@@ -102,9 +127,15 @@ def graph(title: str, description: str, unit: str, targets: list[prom.Dataquery]
     return panel
 
 
-def stacked(title: str, description: str, expr: str) -> timeseries.Panel:
+OWNER_KEY = "instance, model_name, stage, engine, owner, cache"
+OWNER_LEGEND = "{{instance}} · {{model_name}} s{{stage}} e{{engine}} · {{owner}} / {{cache}}"
+
+
+def by_owner(title: str, description: str, metric: str) -> timeseries.Panel:
+    """A per-declaration byte metric, summed per owner and cache and stacked."""
+    expr = f"sum by ({OWNER_KEY}) ({sel(metric, DECLARATION)})"
     return (
-        graph(title, description, "bytes", [query(expr, "{{model_name}} s{{stage}} {{owner}} / {{cache}}", "A")])
+        graph(title, description, "bytes", [query(expr, OWNER_LEGEND, "A")])
         .stacking(common_builders.StackingConfig().mode(common.StackingMode.NORMAL))
         .fill_opacity(40)
     )
@@ -150,6 +181,11 @@ def up_stat(title: str, description: str, expr: str, legend: str) -> stat.Panel:
     )
 
 
+GPU_LEGEND = "{{instance}} · GPU {{gpu}}"
+ENGINE_LEGEND = "{{instance}} · {{model_name}} s{{stage}} e{{engine}}"
+DASHED = [model.DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]})]
+
+
 def gpu_row() -> list[Panel]:
     memory = graph(
         "GPU memory: used, projected peak, total",
@@ -157,51 +193,47 @@ def gpu_row() -> list[Panel]:
         "the memory the GPU needs once each running engine reaches max_num_seqs.",
         "bytes",
         [
-            query(f"model_local_kv_gpu_memory_used_bytes{{{GPU}}}", "used · GPU {{gpu}} {{instance}}", "A"),
-            query(
-                f"model_local_kv_gpu_projected_peak_bytes{{{GPU}}}",
-                "projected peak · GPU {{gpu}} {{instance}}",
-                "B",
-            ),
-            query(f"model_local_kv_gpu_memory_total_bytes{{{GPU}}}", "total · GPU {{gpu}} {{instance}}", "C"),
+            query(sel("model_local_kv_gpu_memory_used_bytes", GPU), f"used · {GPU_LEGEND}", "A"),
+            query(sel("model_local_kv_gpu_projected_peak_bytes", GPU), f"projected peak · {GPU_LEGEND}", "B"),
+            query(sel("model_local_kv_gpu_memory_total_bytes", GPU), f"total · {GPU_LEGEND}", "C"),
         ],
-    ).override_by_regexp(
-        "^total.*", [model.DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]})]
-    )
+    ).override_by_regexp("^total.*", DASHED)
+    share = single(
+        "Headroom at the projected peak, share of total",
+        "(Total - projected peak) / total. Colours as the shipped alerts: red below 0 "
+        f"(ModelLocalKVProjectedPeakAboveGPUMemory), orange below {HEADROOM_ALERT_FRACTION:.0%} "
+        "(ModelLocalKVHeadroomLow, shipped default; an override in your own rule file is not reflected here).",
+        "percentunit",
+        f"{sel('model_local_kv_gpu_headroom_bytes', GPU)} / {sel('model_local_kv_gpu_memory_total_bytes', GPU)}",
+        GPU_LEGEND,
+    ).thresholds(thresholds((None, "red"), (0, "orange"), (HEADROOM_ALERT_FRACTION, "green")))
     headroom = single(
         "Headroom at the projected peak",
         "Total minus projected peak; negative means the GPU cannot hold the declared KV at max_num_seqs.",
         "bytes",
-        f"model_local_kv_gpu_headroom_bytes{{{GPU}}}",
-        "GPU {{gpu}} {{instance}}",
-    ).thresholds(thresholds((None, "red"), (0, "orange"), (8 * 2**30, "green")))
-    ratio = single(
-        "Projected peak / total",
-        "Share of the GPU's memory the projected peak takes.",
-        "percentunit",
-        f"model_local_kv_gpu_projected_peak_bytes{{{GPU}}} / model_local_kv_gpu_memory_total_bytes{{{GPU}}}",
-        "GPU {{gpu}} {{instance}}",
-    ).thresholds(thresholds((None, "green"), (0.9, "orange"), (1, "red")))
+        sel("model_local_kv_gpu_headroom_bytes", GPU),
+        GPU_LEGEND,
+    ).thresholds(thresholds((None, "blue")))
     safe = single(
         "Safe max_num_seqs",
         "Largest max_num_seqs whose projected peak still fits on the GPU.",
         "none",
-        f"model_local_kv_gpu_safe_max_num_seqs{{{GPU}}}",
-        "GPU {{gpu}} {{instance}}",
+        sel("model_local_kv_gpu_safe_max_num_seqs", GPU),
+        GPU_LEGEND,
     ).thresholds(thresholds((None, "blue")))
-    return [memory.height(9).span(24), headroom.height(5).span(8), ratio.height(5).span(8), safe.height(5).span(8)]
+    return [memory.height(9).span(24), share.height(5).span(8), headroom.height(5).span(8), safe.height(5).span(8)]
 
 
 def kv_row() -> list[Panel]:
-    ceiling = stacked(
+    ceiling = by_owner(
         "Ceiling by owner / cache (rows at max_num_seqs)",
         "Declared model-local KV at max_num_seqs (rows_fixed for fixed-row caches), stacked per owner and cache.",
-        f"sum by (model_name, stage, owner, cache) (model_local_kv_ceiling_bytes{{{DECL}}})",
+        "model_local_kv_ceiling_bytes",
     )
-    estimate = stacked(
+    estimate = by_owner(
         "Estimate by owner / cache (rows at the running count)",
         "Declared bytes at the live running count (capped at max_num_seqs), stacked per owner and cache.",
-        f"sum by (model_name, stage, owner, cache) (model_local_kv_estimated_bytes{{{DECL}}})",
+        "model_local_kv_estimated_bytes",
     )
     return [ceiling.height(9).span(12), estimate.height(9).span(12)]
 
@@ -212,40 +244,30 @@ def engine_row() -> list[Panel]:
         "The engine's running count as read from its metrics page, against its configured max_num_seqs.",
         "none",
         [
-            query(
-                f"model_local_kv_running_sequences{{{ENGINE}}}",
-                "running · {{model_name}} s{{stage}} e{{engine}}",
-                "A",
-            ),
-            query(
-                f"model_local_kv_max_num_seqs{{{ENGINE}}}",
-                "max_num_seqs · {{model_name}} s{{stage}} e{{engine}}",
-                "B",
-            ),
+            query(sel("model_local_kv_running_sequences", ENGINE), f"running · {ENGINE_LEGEND}", "A"),
+            query(sel("model_local_kv_max_num_seqs", ENGINE), f"max_num_seqs · {ENGINE_LEGEND}", "B"),
         ],
-    ).override_by_regexp(
-        "^max_num_seqs.*",
-        [model.DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]})],
-    )
+    ).override_by_regexp("^max_num_seqs.*", DASHED)
     engine_up = up_stat(
         "Engine running count readable",
         "1 when a metrics page reports this engine's running count.",
-        f"model_local_kv_engine_up{{{ENGINE}}}",
-        "{{model_name}} s{{stage}} e{{engine}}",
+        sel("model_local_kv_engine_up", ENGINE),
+        ENGINE_LEGEND,
     )
     manifests = single(
         "Manifests per engine",
         "Valid manifests matched to the engine; 0 for an engine on a page that no manifest declares.",
         "none",
-        f"model_local_kv_engine_manifests{{{ENGINE}}}",
-        "{{model_name}} s{{stage}} e{{engine}}",
+        sel(ENGINES, ENGINE),
+        ENGINE_LEGEND,
     ).thresholds(thresholds((None, "red"), (1, "green")))
     return [running.height(8).span(12), engine_up.height(8).span(6), manifests.height(8).span(6)]
 
 
 def joined(metric: str) -> str:
     """`metric` carrying the declaration's text labels, so every table query has identical label sets."""
-    return f"{metric}{{{DECL}}} * on ({DECL_KEY}) group_left ({DECL_INFO}) model_local_kv_declaration_info{{{DECL}}}"
+    info = sel("model_local_kv_declaration_info", DECLARATION)
+    return f"{sel(metric, DECLARATION)} * on ({DECL_KEY}) group_left ({DECL_INFO}) {info}"
 
 
 def declaration_table() -> list[Panel]:
@@ -259,8 +281,8 @@ def declaration_table() -> list[Panel]:
         table.Panel()
         .title("Declarations")
         .description(
-            "What each cache owner declared: geometry source (capacity_source), why its row count is what it "
-            "is (rows_reason), and the bytes it implies."
+            "What each cache owner declared, per exporter (instance): geometry source (capacity_source), why its "
+            "row count is what it is (rows_reason), and the bytes it implies."
         )
         .datasource(DATASOURCE)
         .unit("bytes")
@@ -282,20 +304,20 @@ def health_row() -> list[Panel]:
     return [
         up_stat(
             "Exporter scraped",
-            "Prometheus' own up series for the kv-exporter job.",
-            f"up{{{EXPORTER_JOB}}}",
+            "Prometheus' own up series for the kv-exporter scrape jobs.",
+            sel("up", HOST),
             "{{instance}}",
         )
         .height(4)
         .span(6),
-        up_stat("NVML", "1 when the exporter can query NVML.", "model_local_kv_nvml_up", "{{instance}}")
+        up_stat("NVML", "1 when the exporter can query NVML.", sel("model_local_kv_nvml_up", HOST), "{{instance}}")
         .height(4)
         .span(6),
         up_stat(
             "Engine pages",
             "1 when the exporter read the engine metrics page.",
-            "model_local_kv_engine_page_up",
-            "{{target}}",
+            sel("model_local_kv_engine_page_up", HOST),
+            "{{instance}} · {{target}}",
         )
         .height(4)
         .span(6),
@@ -303,8 +325,8 @@ def health_row() -> list[Panel]:
             "Exporter version",
             "model_local_kv_exporter_build_info",
             "none",
-            "model_local_kv_exporter_build_info",
-            "{{version}} {{instance}}",
+            sel(EXPORTERS, HOST),
+            "{{instance}} · {{version}}",
         )
         .text_mode(common.BigValueTextMode.NAME)
         .thresholds(thresholds((None, "blue")))
@@ -314,7 +336,13 @@ def health_row() -> list[Panel]:
             "Manifests by state",
             "live: counted; stale: writer gone; invalid: rejected.",
             "none",
-            [query("sum by (state) (model_local_kv_manifests)", "{{state}}", "A")],
+            [
+                query(
+                    f"sum by (instance, state) ({sel('model_local_kv_manifests', HOST)})",
+                    "{{instance}} · {{state}}",
+                    "A",
+                )
+            ],
         )
         .height(7)
         .span(8),
@@ -324,8 +352,9 @@ def health_row() -> list[Panel]:
             "none",
             [
                 query(
-                    "sum by (reason) (increase(model_local_kv_manifest_errors_total[$__rate_interval]))",
-                    "{{reason}}",
+                    "sum by (instance, reason) "
+                    f"(increase({sel('model_local_kv_manifest_errors_total', HOST)}[$__rate_interval]))",
+                    "{{instance}} · {{reason}}",
                     "A",
                 )
             ],
@@ -336,7 +365,7 @@ def health_row() -> list[Panel]:
             "Scrape duration",
             "Time the exporter spent building one scrape.",
             "s",
-            [query("model_local_kv_scrape_duration_seconds", "{{instance}}", "A")],
+            [query(sel("model_local_kv_scrape_duration_seconds", HOST), "{{instance}}", "A")],
         )
         .height(7)
         .span(8),
@@ -351,6 +380,17 @@ SECTIONS: list[tuple[str, Callable[[], list[Panel]]]] = [
     ("Exporter health", health_row),
 ]
 
+# vLLM's own dashboards carry the tag `vllm`. Variables are not passed along: model_name and engine would match
+# there, but job and instance name kv-exporter's sidecars, not the engines.
+VLLM_DASHBOARDS = (
+    dash.DashboardLink("vLLM dashboards")
+    .type(model.DashboardLinkType.DASHBOARDS)
+    .tags(["vllm"])
+    .as_dropdown(True)
+    .include_vars(False)
+    .keep_time(True)
+)
+
 
 def build() -> dash.Dashboard:
     board = (
@@ -358,6 +398,7 @@ def build() -> dash.Dashboard:
         .uid(UID)
         .description("Attention KV that vllm-omni models keep outside vLLM's paged KV manager (kv-exporter).")
         .tags(["kv-exporter", "vllm"])
+        .link(VLLM_DASHBOARDS)
         .editable()
         .tooltip(model.DashboardCursorSync.CROSSHAIR)
         .time("now-1h", "now")
@@ -376,9 +417,20 @@ def build() -> dash.Dashboard:
     return board
 
 
+# Written by the SDK's Grafana 10.1 models, dropped by Grafana since: the dashboard's `style`, a variable `id`
+# (not part of the variable model), and the interval-variable fields `auto*` on query and data-source variables.
+SDK_LEFTOVERS = {"dashboard": ("style",), "variable": ("id", "auto", "auto_count", "auto_min")}
+
+
 def dashboard() -> dict[str, Any]:
     """The dashboard as the JSON object Grafana's file provisioning loads."""
     encoded: dict[str, Any] = json.loads(json.dumps(build().build(), cls=JSONEncoder))
+    for key in SDK_LEFTOVERS["dashboard"]:
+        encoded.pop(key, None)
+    for variable in encoded["templating"]["list"]:
+        for key in SDK_LEFTOVERS["variable"]:
+            variable.pop(key, None)
+    encoded["schemaVersion"] = SCHEMA_VERSION
     return encoded
 
 

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(text)
             print(f"wrote {path.relative_to(ROOT)}")
     if stale:
-        print("out of date (run python deploy/generate.py): " + ", ".join(map(str, stale)), file=sys.stderr)
+        print("out of date (run python -m deploy.generate): " + ", ".join(map(str, stale)), file=sys.stderr)
         return 1
     return 0
 

@@ -1,6 +1,8 @@
-"""The landing page at /: what a person checks first. Plain HTML, no script, no external resources.
+"""The landing page at /: what a person checks first. Plain HTML and CSS, no script, no external resources.
 
-Every text that comes from a manifest or an engine page is escaped: those are written by other processes.
+Every text that comes from a manifest or an engine page is escaped: those are written by other processes. Per GPU a
+bar shows used memory, the growth the declarations still allow and the headroom left, coloured as the shipped
+alerts would judge it (`thresholds`); tables wrap rather than run off a 1280 px screen.
 """
 
 from __future__ import annotations
@@ -13,19 +15,35 @@ from collections.abc import Iterable, Sequence
 from kv_exporter import __version__
 from kv_exporter.sidecar.records import ManifestEntry, PageResult
 from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, Snapshot
+from kv_exporter.sidecar.thresholds import HEADROOM_ALERT_FRACTION, HeadroomState, headroom_state
 from kv_exporter.sidecar.units import human_bytes
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 1.5em; color: #1b1b1b; }
-h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
-table { border-collapse: collapse; margin: .4em 0; }
-th, td { border: 1px solid #c8c8c8; padding: .25em .6em; text-align: left; }
+h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; } h3 { font-size: 1em; margin: 0 0 .4em; }
+table { border-collapse: collapse; margin: .4em 0; max-width: 100%; }
+th, td { border: 1px solid #c8c8c8; padding: .25em .6em; text-align: left; vertical-align: top; }
+td { overflow-wrap: anywhere; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
-th { white-space: nowrap; }
-th { background: #f0f0f0; }
-.bad { color: #a40000; font-weight: bold; } .ok { color: #1d6b1d; }
+th { white-space: nowrap; background: #f0f0f0; }
+small, .sub { display: block; color: #555; font-size: .85em; }
+.ok { color: #1d6b1d; } .low { color: #8a5300; font-weight: bold; } .over, .bad { color: #a40000; font-weight: bold; }
 .simulated { background: #fff3c4; padding: .1em .4em; border-radius: .2em; }
 .note { color: #555; max-width: 60em; }
+.gpu { max-width: 70em; margin: .8em 0 1.4em; }
+.bar { position: relative; display: flex; height: 1.8em; margin: .5em 0 .3em; border: 1px solid #777;
+       background: #fff; }
+.seg { height: 100%; }
+.used { background: #5f6b7a; } .growth { background: #4a78c2; }
+.headroom.ok { background: #2e7d32; } .headroom.low { background: #e0a100; }
+.overflow { background: repeating-linear-gradient(45deg, #b71c1c 0 6px, #e57373 6px 12px); }
+.marker, .total { position: absolute; top: -.4em; bottom: -.4em; }
+.marker { border-left: 2px dashed #111; } .total { border-left: 3px solid #111; }
+.legend { list-style: none; padding: 0; margin: .3em 0; display: flex; flex-wrap: wrap; gap: .3em 1.4em; }
+.swatch { display: inline-block; width: .9em; height: .9em; margin-right: .35em; vertical-align: -.1em; }
+.swatch.marker, .swatch.total { position: static; width: 0; height: 1em; margin: 0 .5em 0 .3em; }
+.state { padding: .1em .5em; border-radius: .2em; color: #fff; font-weight: bold; }
+.state.ok { background: #2e7d32; } .state.low { background: #8a5300; } .state.over { background: #a40000; }
 """
 
 
@@ -55,17 +73,67 @@ def _gpu_row(view: GpuView) -> str:
     source = view.source if view.source != "simulated" else "SIMULATED"
     css = "simulated" if view.source == "simulated" else ""
     safe = "-" if view.safe_max_num_seqs is None else view.safe_max_num_seqs
-    headroom_css = "bad" if view.headroom < 0 else "ok"
+    headroom_css = headroom_state(view.memory.total, view.projected_peak).value
     return (
         _num(view.memory.index)
-        + _cell(view.memory.uuid)
-        + _cell(view.memory.name)
         + f'<td><span class="{css}">{_e(source)}</span></td>'
         + _bytes(view.memory.total)
         + _bytes(view.memory.used)
         + _bytes(view.projected_peak)
         + f'<td class="num {headroom_css}" title="{view.headroom} B">{_e(human_bytes(view.headroom))}</td>'
         + _num(safe)
+    )
+
+
+_ALERTS = {
+    HeadroomState.OK: "no alert",
+    HeadroomState.LOW: "ModelLocalKVHeadroomLow",
+    HeadroomState.OVER: "ModelLocalKVProjectedPeakAboveGPUMemory",
+}
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.3f}%"
+
+
+def _item(swatch: str, text: str) -> str:
+    return f'<li><span class="swatch {swatch}"></span>{_e(text)}</li>'
+
+
+def _gpu_bar(view: GpuView) -> str:
+    """used now | growth the declarations still allow | headroom, on a scale that also fits an overflow."""
+    total, used, peak = view.memory.total, view.memory.used, view.projected_peak
+    state = headroom_state(total, peak)
+    over = state is HeadroomState.OVER
+    scale = max(total, peak, 1)
+    last = ("overflow", peak - total) if over else (f"headroom {state.value}", total - peak)
+    segments = [("used", used), ("growth", min(peak, total) - used), last]
+    bar = "".join(f'<div class="seg {css}" style="width:{_share(max(0, b), scale)}"></div>' for css, b in segments)
+    threshold = round((1 - HEADROOM_ALERT_FRACTION) * total)
+    bar += f'<div class="marker" style="left:{_share(threshold, scale)}" title="alert threshold"></div>'
+    if over:
+        bar += f'<div class="total" style="left:{_share(total, scale)}" title="total"></div>'
+    share = f" ({view.headroom / total:.1%} of total)" if total > 0 else ""
+    legend = (
+        _item("used", f"used now {human_bytes(used)}")
+        + _item("growth", f"growth the declarations still allow {human_bytes(peak - used)}")
+        + (
+            _item("total", f"total {human_bytes(total)}")
+            + _item("overflow", f"over total by {human_bytes(peak - total)}")
+            if over
+            else _item(f"headroom {state.value}", f"headroom {human_bytes(view.headroom)}{share}")
+        )
+        + _item(
+            "marker",
+            f"alert below {HEADROOM_ALERT_FRACTION:.0%} headroom (shipped default; an override in your "
+            "Prometheus rules is not visible here)",
+        )
+    )
+    title = f"GPU {_e(view.memory.index)} · {_e(view.memory.name)} · {_e(view.memory.uuid)}"
+    badge = f'<span class="state {state.value}">{_e(_ALERTS[state])}</span>'
+    return (
+        f'<div class="gpu" id="gpu-{_e(view.memory.index)}" data-state="{state.value}"><h3>{title} {badge}</h3>'
+        f'<div class="bar">{bar}</div><ul class="legend">{legend}</ul></div>'
     )
 
 
@@ -77,10 +145,8 @@ def _gpu_section(snapshot: Snapshot) -> str:
         status = f'<p class="bad">GPU reader ({_e(gpu.source)}) unavailable: {_e(gpu.error)}</p>'
     else:
         status = ""
-    headers = (
+    headers = (  # name and UUID head each GPU's bar
         "gpu",
-        "UUID",
-        "name",
         "source",
         "total",
         "used",
@@ -88,12 +154,14 @@ def _gpu_section(snapshot: Snapshot) -> str:
         "headroom",
         "safe max_num_seqs",
     )
+    bars = "".join(_gpu_bar(v) for v in snapshot.gpus)
     table = _table("gpus", headers, (_gpu_row(v) for v in snapshot.gpus)) if snapshot.gpus else ""
     note = (
         '<p class="note">projected peak = used + the sum over the GPU\'s live declarations of (ceiling - '
-        "estimate); headroom = total - projected peak.</p>"
+        "estimate); headroom = total - projected peak. Colours as the shipped alerts judge it: red, projected "
+        f"peak above total; amber, headroom below {HEADROOM_ALERT_FRACTION:.0%} of total (shipped default).</p>"
     )
-    return f"<h2>GPUs</h2>{status}{table}{note}"
+    return f"<h2>GPUs</h2>{status}{bars}{table}{note}"
 
 
 def _engine_row(view: EngineView) -> str:
@@ -125,44 +193,34 @@ def _engine_section(engines: Sequence[EngineView], pages: Sequence[PageResult]) 
     return f"<h2>Engines</h2>{table}{page_table}{none}"
 
 
+def _with_sub(main: object, sub: object, css: str = "") -> str:
+    """A cell with a second, smaller line (secondary facts wrap under the main one instead of widening the table)."""
+    return f'<td class="{css}">{_e(main)}<span class="sub">{_e(sub)}</span></td>'
+
+
+def _bytes_rows(value: int, rows: int) -> str:
+    return f'<td class="num" title="{value} B">{_e(human_bytes(value))}<span class="sub">{_e(rows)} rows</span></td>'
+
+
 def _declaration_row(view: DeclarationView) -> str:
     d = view.declaration
     return (
-        _cell(view.model_name)
-        + _num(view.stage)
-        + _num(view.engine)
-        + _cell(d.owner)
-        + _cell(d.name)
-        + _cell(d.scope.value)
-        + _cell(d.rows.value)
-        + _cell(view.gpu)
+        _with_sub(view.model_name, f"stage {view.stage} · engine {view.engine}", "engine")
+        + _with_sub(d.name, d.owner, "cache")
+        + _with_sub(d.rows.value, d.scope.value, "rows")
+        + _num(view.gpu)
         + _bytes(d.bytes_per_row)
-        + _num(view.ceiling_rows)
-        + _bytes(view.ceiling_bytes)
-        + _num(view.estimate_rows)
-        + _bytes(view.estimate_bytes)
+        + _bytes_rows(view.ceiling_bytes, view.ceiling_rows)
+        + _bytes_rows(view.estimate_bytes, view.estimate_rows)
     )
 
 
 def _declaration_section(views: Sequence[DeclarationView]) -> str:
-    headers = (
-        "model",
-        "stage",
-        "engine",
-        "owner",
-        "cache",
-        "scope",
-        "driver",
-        "gpu",
-        "per row",
-        "ceiling rows",
-        "ceiling",
-        "estimate rows",
-        "estimate",
-    )
+    headers = ("model", "cache / owner", "rows from / scope", "gpu", "per row", "ceiling", "estimate")
     if not views:
         return "<h2>Declarations</h2><p>No live declarations.</p>"
-    return "<h2>Declarations</h2>" + _table("declarations", headers, (_declaration_row(v) for v in views))
+    note = '<p class="note">ceiling: rows at max_num_seqs (or the fixed rows); estimate: rows at the running count.</p>'
+    return "<h2>Declarations</h2>" + _table("declarations", headers, (_declaration_row(v) for v in views)) + note
 
 
 def _manifest_row(entry: ManifestEntry) -> str:

@@ -31,6 +31,8 @@ KUSTOMIZE_ROOTS = [
 ]
 RULES = DEPLOY / "prometheus/kv-exporter.rules.yml"
 RULES_TEST = DEPLOY / "prometheus/kv-exporter.rules.test.yml"
+THRESHOLDS_EXAMPLE = DEPLOY / "prometheus/kv-exporter.thresholds.example.yml"
+THRESHOLDS_TEST = DEPLOY / "prometheus/kv-exporter.thresholds.test.yml"
 DASHBOARD = ROOT / "dashboards/kv-exporter.json"
 COMPOSE = DEPLOY / "compose/compose.yaml"
 COMPOSE_PROMETHEUS = DEPLOY / "compose/prometheus.yml"
@@ -112,23 +114,6 @@ def dashboard_targets() -> list[tuple[str, str]]:
     return [(panel["title"], target["expr"]) for panel in dashboard()["panels"] for target in panel.get("targets", [])]
 
 
-# Grafana variables as an "All" selection resolves them, and the interval macros at a short scrape interval.
-GRAFANA_SUBSTITUTIONS = {
-    "$__rate_interval": "1m",
-    "$__interval": "15s",
-    "$__range": "5m",
-    "$model": ".*",
-    "$stage": ".*",
-    "$gpu": ".*",
-}
-
-
-def resolve_variables(expr: str) -> str:
-    for name, value in sorted(GRAFANA_SUBSTITUTIONS.items(), key=lambda kv: -len(kv[0])):
-        expr = expr.replace(name, value)
-    return expr
-
-
 def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
     deadline = time.monotonic() + timeout
     last: Exception | None = None
@@ -188,15 +173,6 @@ class Prometheus:
                 pytest.fail(f"prometheus exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
             time.sleep(0.5)
         pytest.fail(f"no data for {what or expr} within {timeout}s")
-
-    def panels_without_data(self, timeout: float) -> list[str]:
-        """Dashboard queries (variables as "All") that return nothing within `timeout` seconds, all of them."""
-        pending = {f"{title!r}: {expr}": resolve_variables(expr) for title, expr in dashboard_targets()}
-        deadline = time.monotonic() + timeout
-        while pending and time.monotonic() < deadline:
-            pending = {name: expr for name, expr in pending.items() if not self.query(expr)}
-            time.sleep(0.5)
-        return sorted(pending)
 
     def firing(self, alertname: str) -> list[dict[str, Any]]:
         alerts_now: list[dict[str, Any]] = self.api("alerts")["alerts"]

@@ -3,7 +3,6 @@ returns data. (The real-engine chain is tests/deploy/test_chain_engine.py.)"""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.deploy.grafana import panels_without_data, query_variables, selection, variable_values
 from tests.deploy.helpers import (
     RULES,
     Prometheus,
-    dashboard,
     free_port,
     prometheus_config,
-    resolve_variables,
     rule_groups,
     start_prometheus,
     stop,
@@ -60,20 +58,15 @@ def test_every_dashboard_query_returns_data(prometheus: Prometheus) -> None:
     prometheus.wait_for('up{job="kv-exporter"} == 1', 30)
     # Rate windows ($__rate_interval = 1m here) need two samples inside them.
     prometheus.wait_for("count_over_time(model_local_kv_nvml_up[1m]) >= 3", 30)
-    missing = prometheus.panels_without_data(30)
+    missing = panels_without_data(prometheus, 30)
     assert not missing, "panels without data:\n" + "\n".join(missing)
 
 
 def test_every_dashboard_variable_has_values(prometheus: Prometheus) -> None:
     prometheus.wait_for('up{job="kv-exporter"} == 1', 30)
-    for variable in dashboard()["templating"]["list"]:
-        if variable["type"] != "query":
-            continue
-        match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", variable["query"])
-        assert match, variable["query"]
-        selector, label = resolve_variables(match.group(1)), match.group(2)
-        values = prometheus.api(f"label/{label}/values", **{"match[]": selector})
-        assert values, f"${variable['name']}: no values for {variable['query']}"
+    chosen = selection(prometheus)  # fails for a variable without values at All
+    for variable in query_variables():
+        assert variable_values(prometheus, variable, chosen), f"${variable['name']}: no values for {variable['query']}"
 
 
 def test_every_recording_rule_returns_data(prometheus: Prometheus) -> None:

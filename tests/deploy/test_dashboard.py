@@ -7,7 +7,6 @@ on time change; plus layout and contract checks of our own.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
@@ -15,19 +14,18 @@ from typing import Any
 
 import yaml
 
+from tests.deploy.grafana import FILTER_VARIABLES, SELECTOR, interpolate
 from tests.deploy.helpers import (
-    ROOT,
     contract_metrics,
     dashboard,
     dashboard_targets,
     metrics_in,
-    resolve_variables,
     run,
     tool,
 )
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-FILTER_VARIABLES = ("model", "stage", "gpu")
+ALL = {"selected": True, "text": ["All"], "value": ["$__all"]}
 
 
 def panels() -> list[dict[str, Any]]:
@@ -35,19 +33,69 @@ def panels() -> list[dict[str, Any]]:
 
 
 def test_generated_files_are_current() -> None:
-    # The generator imports kv_exporter (for the manifest schema): this checkout's, not an installed copy.
-    run(sys.executable, str(ROOT / "deploy/generate.py"), "--check", env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # As a module from the checkout, so that it reads this checkout's kv_exporter, not an installed copy.
+    run(sys.executable, "-m", "deploy.generate", "--check")
 
 
-def test_datasource_is_a_variable() -> None:
-    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource"
-    assert variables["datasource"]["query"] == "prometheus"
-    for name in FILTER_VARIABLES:
-        variable = variables[name]
-        assert variable["type"] == "query" and variable["datasource"] == DATASOURCE
+def test_variables_follow_vllm_conventions() -> None:
+    """datasource, then job, instance, model_name, stage, engine, gpu: multi-select with All, reloaded on time
+    change, each chained on the ones before it (label_values filtered by them)."""
+    variables = dashboard()["templating"]["list"]
+    assert [v["name"] for v in variables] == ["datasource", *FILTER_VARIABLES]
+    assert variables[0]["type"] == "datasource" and variables[0]["query"] == "prometheus"
+    for before, variable in enumerate(variables[1:]):
+        name = variable["name"]
+        assert variable["type"] == "query" and variable["datasource"] == DATASOURCE, name
         assert variable["refresh"] == 2, f"${name} must reload on time range change"
-        assert variable["includeAll"] and variable["allValue"] == ".*"
+        assert variable["multi"] and variable["includeAll"] and variable["current"] == ALL, name
+        assert re.fullmatch(rf"label_values\(.+, {name}\)", variable["query"]), variable["query"]
+        parents = set(re.findall(r'(\w+)=~"\$(\w+)"', variable["query"]))
+        assert {(label, label) for label in FILTER_VARIABLES[:before] if label in ("job", "instance")} <= parents
+        assert {p for p, _ in parents} <= set(FILTER_VARIABLES[:before]), f"${name} filters by a later variable"
+    # All as `.*` everywhere but `job`, where it must stay the jobs that run kv-exporter (`up` is in every job).
+    assert {v["name"]: v.get("allValue") for v in variables[1:]} == {
+        name: None if name == "job" else ".*" for name in FILTER_VARIABLES
+    }
+
+
+def test_dashboard_conventions() -> None:
+    """Tag `vllm` and a link to the other dashboards so tagged, a current schema, nothing Grafana has deprecated."""
+    board = dashboard()
+    assert "vllm" in board["tags"]
+    assert any(link["type"] == "dashboards" and link["tags"] == ["vllm"] for link in board["links"])
+    assert board["schemaVersion"] >= 39
+    assert not {"style", "rows"} & set(board), "dashboard fields removed from Grafana's schema"
+    for variable in board["templating"]["list"]:
+        stale = {"id", "tags", "tagsQuery", "useTags", "auto", "auto_count", "auto_min"} & set(variable)
+        assert not stale, f"${variable['name']}: {stale}"
+    for panel in board["panels"]:
+        assert panel["type"] not in ("graph", "singlestat", "table-old"), panel["title"]
+        assert "span" not in panel and not isinstance(panel.get("datasource"), str), panel["title"]
+        legend = panel.get("options", {}).get("legend", {})
+        assert legend.get("displayMode") != "hidden", f"{panel['title']}: use showLegend (schema 37)"
+        custom = panel.get("fieldConfig", {}).get("defaults", {}).get("custom", {})
+        assert "displayMode" not in custom, f"{panel['title']}: use cellOptions (schema 38)"
+
+
+def test_every_query_is_filtered_by_job_and_instance() -> None:
+    """Every metric a query reads is filtered to the selected scrape jobs and exporters: with two hosts no panel
+    mixes them. (Which other variables apply to which family is checked against real series in
+    test_dashboard_fleet.py.)"""
+    for title, expr in dashboard_targets():
+        found = SELECTOR.findall(expr)
+        assert found, f"{title}: no metric in {expr}"
+        for metric, matchers in found:
+            for label in ("job", "instance"):
+                assert f'{label}=~"${label}"' in matchers, f"{title}: {metric} is not filtered by ${label}"
+
+
+def test_legends_name_the_instance() -> None:
+    for panel in panels():
+        for target in panel["targets"]:
+            if panel["type"] == "table":
+                assert "instance" not in panel["transformations"][-1]["options"]["excludeByName"]
+            else:
+                assert "{{instance}}" in target["legendFormat"], f"{panel['title']}: {target['legendFormat']}"
 
 
 def test_every_panel_and_query_uses_the_variable() -> None:
@@ -120,9 +168,9 @@ def test_required_views_are_present() -> None:
 
 
 def test_every_query_is_valid_promql(tmp_path: Path) -> None:
-    """promtool parses each query (as a recording rule) with the variables resolved as "All" resolves them."""
+    """promtool parses each query (as a recording rule) with every variable substituted as `.*`."""
     rules = [
-        {"record": f"dashboard:query:{i}", "expr": resolve_variables(expr)}
+        {"record": f"dashboard:query:{i}", "expr": interpolate(expr, dict.fromkeys(FILTER_VARIABLES, ".*"))}
         for i, (_, expr) in enumerate(dashboard_targets())
     ]
     path = tmp_path / "dashboard-queries.yml"

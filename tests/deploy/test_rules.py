@@ -5,13 +5,18 @@ from __future__ import annotations
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
+import pytest
 import yaml
 
+from kv_exporter.sidecar.thresholds import HEADROOM_ALERT_FRACTION, HeadroomState, headroom_state
 from tests.deploy.helpers import (
     ALERTS_DOC,
     RULES,
     RULES_TEST,
+    THRESHOLDS_EXAMPLE,
+    THRESHOLDS_TEST,
     alerts,
     contract_metrics,
     metrics_in,
@@ -23,14 +28,93 @@ from tests.deploy.helpers import (
 SEVERITIES = {"critical", "warning", "info"}
 
 
-def test_promtool_check_rules() -> None:
-    out = run(tool("promtool"), "check", "rules", str(RULES))
+DEFAULT_RULE = "model_local_kv:headroom_alert_fraction:default"
+OVERRIDE_RULE = "model_local_kv:headroom_alert_fraction:override"
+
+
+@pytest.mark.parametrize("path", [RULES, THRESHOLDS_EXAMPLE], ids=lambda p: p.name)
+def test_promtool_check_rules(path: Path) -> None:
+    out = run(tool("promtool"), "check", "rules", str(path))
     assert "SUCCESS" in out
 
 
-def test_promtool_unit_tests() -> None:
-    out = run(tool("promtool"), "test", "rules", RULES_TEST.name, cwd=RULES_TEST.parent)
+@pytest.mark.parametrize("path", [RULES_TEST, THRESHOLDS_TEST], ids=lambda p: p.name)
+def test_promtool_unit_tests(path: Path) -> None:
+    out = run(tool("promtool"), "test", "rules", path.name, cwd=path.parent)
     assert "SUCCESS" in out
+
+
+def recorded(path: Path) -> list[dict[str, Any]]:
+    return [r for g in yaml.safe_load(path.read_text())["groups"] for r in g["rules"] if "record" in r]
+
+
+def test_landing_page_default_is_the_shipped_one() -> None:
+    """One number in two files (the rules and the package the landing page reads): they must agree."""
+    (default,) = [r for r in recorded(RULES) if r["record"] == DEFAULT_RULE]
+    match = re.fullmatch(r"vector\(([0-9.]+)\)", default["expr"])
+    assert match, default["expr"]
+    assert float(match.group(1)) == HEADROOM_ALERT_FRACTION
+
+
+def test_overrides_never_write_a_shipped_series() -> None:
+    """An operator's file records only the override series, which no shipped rule writes: no duplicate samples."""
+    shipped = {r["record"] for r in recorded(RULES)}
+    assert OVERRIDE_RULE not in shipped
+    example = recorded(THRESHOLDS_EXAMPLE)
+    assert example and {r["record"] for r in example} == {OVERRIDE_RULE}
+    scopes = [tuple(sorted(r.get("labels", {}))) for r in example]
+    assert len(scopes) == len(set(scopes)) == 4, scopes  # one rule per scope: every scope shown, none twice
+
+
+# Headroom as a share of 80 GiB, at and around each boundary of the shipped alerts.
+AGREEMENT_HEADROOM = [-1, 0, 1, 4 * 2**30, 8 * 2**30 - 1, 8 * 2**30, 8 * 2**30 + 1, 40 * 2**30]
+TOTAL = 80 * 2**30
+STATE_ALERT = {
+    HeadroomState.LOW: "ModelLocalKVHeadroomLow",
+    HeadroomState.OVER: "ModelLocalKVProjectedPeakAboveGPUMemory",
+}
+
+
+def test_headroom_state_agrees_with_the_shipped_alerts(tmp_path: Path) -> None:
+    """What the landing page colours a GPU is what the shipped alerts do with it: promtool evaluates the shipped
+    expressions on GPUs at each boundary and expects the alerts `headroom_state` names (annotations left out of the
+    copy, since only the expressions are compared)."""
+    rules = yaml.safe_load(RULES.read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    (tmp_path / RULES.name).write_text(yaml.safe_dump(rules))
+    series, expected = [], {name: [] for name in STATE_ALERT.values()}
+    states = set()
+    for gpu, headroom in enumerate(AGREEMENT_HEADROOM):
+        labels = {
+            "job": "kv-exporter",
+            "instance": "node:9477",
+            "gpu": str(gpu),
+            "UUID": f"GPU-{gpu}",
+            "source": "nvml",
+        }
+        selector = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        for metric, value in (
+            ("model_local_kv_gpu_memory_total_bytes", TOTAL),
+            ("model_local_kv_gpu_projected_peak_bytes", TOTAL - headroom),
+            ("model_local_kv_gpu_headroom_bytes", headroom),
+        ):
+            series.append({"series": f"{metric}{{{selector}}}", "values": f"{value}x20"})
+        state = headroom_state(TOTAL, TOTAL - headroom)
+        states.add(state)
+        if state in STATE_ALERT:
+            severity = "warning" if state is HeadroomState.LOW else "critical"
+            expected[STATE_ALERT[state]].append({"exp_labels": {**labels, "severity": severity}})
+    assert states == set(HeadroomState), "the boundaries must reach every state"
+    cases = [{"eval_time": "11m", "alertname": name, "exp_alerts": alerts} for name, alerts in expected.items()]
+    test = {
+        "rule_files": [RULES.name],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": cases}],
+    }
+    (tmp_path / "agreement.test.yml").write_text(yaml.safe_dump(test))
+    run(tool("promtool"), "test", "rules", "agreement.test.yml", cwd=tmp_path)
 
 
 def test_promtool_unit_tests_can_fail(tmp_path: Path) -> None:
@@ -82,9 +166,11 @@ def test_issue_alerts_exist() -> None:
         "up",  # exporter down
     ):
         assert metric in by_metric, f"no alert reads {metric}"
-    # Headroom below the configurable fraction: through the one recording rule operators edit.
-    headroom = [a for a in alerts() if "model_local_kv:headroom_alert_fraction" in a["expr"]]
-    assert headroom, "no alert uses model_local_kv:headroom_alert_fraction"
+    # Headroom below the fraction in force: the shipped default unless an operator's override applies.
+    (effective,) = [r for r in recorded(RULES) if r["record"] == "gpu:model_local_kv_headroom_alert_fraction:effective"]
+    assert DEFAULT_RULE in effective["expr"] and OVERRIDE_RULE in effective["expr"]
+    headroom = [a for a in alerts() if effective["record"] in a["expr"]]
+    assert [a["alert"] for a in headroom] == ["ModelLocalKVHeadroomLow"]
 
 
 def test_runbooks_exist_in_docs() -> None:

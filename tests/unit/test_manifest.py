@@ -45,7 +45,7 @@ def test_round_trip_through_a_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("version", SCHEMA_VERSIONS)
 def test_the_committed_schemas_are_the_ones_the_code_generates(version: int) -> None:
-    # One source for the contract: the dataclasses. `python deploy/generate.py` rewrites the files.
+    # One source for the contract: the dataclasses. `python -m deploy.generate` rewrites the files.
     assert manifest_schema(version) == json.loads(schema_path(version).read_text(encoding="utf-8"))
 
 
