@@ -13,7 +13,8 @@ import time
 from collections.abc import Iterable, Sequence
 
 from kv_exporter import __version__
-from kv_exporter.sidecar.records import ManifestEntry, PageResult
+from kv_exporter.sidecar.observed import EngineObservation, ObservedState, OwnerView
+from kv_exporter.sidecar.records import ManifestEntry
 from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, Snapshot
 from kv_exporter.sidecar.thresholds import HEADROOM_ALERT_FRACTION, HeadroomState, headroom_state
 from kv_exporter.sidecar.units import human_bytes
@@ -35,6 +36,7 @@ small, .sub { display: block; color: #555; font-size: .85em; }
        background: #fff; }
 .seg { height: 100%; }
 .used { background: #5f6b7a; } .growth { background: #4a78c2; }
+.beyond { background: repeating-linear-gradient(45deg, #6a3fa0 0 6px, #a98bd1 6px 12px); }
 .headroom.ok { background: #2e7d32; } .headroom.low { background: #e0a100; }
 .overflow { background: repeating-linear-gradient(45deg, #b71c1c 0 6px, #e57373 6px 12px); }
 .marker, .total { position: absolute; top: -.4em; bottom: -.4em; }
@@ -51,8 +53,8 @@ def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _bytes(value: int) -> str:
-    return f'<td class="num" title="{value} B">{_e(human_bytes(value))}</td>'
+def _bytes(value: int, css: str = "") -> str:
+    return f'<td class="num {css}" title="{value} B">{_e(human_bytes(value))}</td>'
 
 
 def _num(value: object) -> str:
@@ -106,8 +108,12 @@ def _gpu_bar(view: GpuView) -> str:
     state = headroom_state(total, peak)
     over = state is HeadroomState.OVER
     scale = max(total, peak, 1)
+    beyond = view.unexplained_growth  # the growth observation adds: after the declared growth, within total
+    declared = peak - used - beyond
     last = ("overflow", peak - total) if over else (f"headroom {state.value}", total - peak)
-    segments = [("used", used), ("growth", min(peak, total) - used), last]
+    shown_declared = min(declared, total - used)
+    beyond_segment = [("beyond", min(beyond, total - used - shown_declared))] if beyond else []
+    segments = [("used", used), ("growth", shown_declared), *beyond_segment, last]
     bar = "".join(f'<div class="seg {css}" style="width:{_share(max(0, b), scale)}"></div>' for css, b in segments)
     threshold = round((1 - HEADROOM_ALERT_FRACTION) * total)
     bar += f'<div class="marker" style="left:{_share(threshold, scale)}" title="alert threshold"></div>'
@@ -116,7 +122,12 @@ def _gpu_bar(view: GpuView) -> str:
     share = f" ({view.headroom / total:.1%} of total)" if total > 0 else ""
     legend = (
         _item("used", f"used now {human_bytes(used)}")
-        + _item("growth", f"growth the declarations still allow {human_bytes(peak - used)}")
+        + _item("growth", f"growth the declarations still allow {human_bytes(declared)}")
+        + (
+            _item("beyond", f"growth beyond the declarations (observed, per running sequence) {human_bytes(beyond)}")
+            if beyond
+            else ""
+        )
         + (
             _item("total", f"total {human_bytes(total)}")
             + _item("overflow", f"over total by {human_bytes(peak - total)}")
@@ -158,30 +169,41 @@ def _gpu_section(snapshot: Snapshot) -> str:
     table = _table("gpus", headers, (_gpu_row(v) for v in snapshot.gpus)) if snapshot.gpus else ""
     note = (
         '<p class="note">projected peak = used + the sum over the GPU\'s live declarations of (ceiling - '
-        "estimate); headroom = total - projected peak. Colours as the shipped alerts judge it: red, projected "
+        "estimate) + the growth of bytes no declaration explains; headroom = total - projected peak. Colours as "
+        "the shipped alerts judge it: red, projected "
         f"peak above total; amber, headroom below {HEADROOM_ALERT_FRACTION:.0%} of total (shipped default).</p>"
     )
     return f"<h2>GPUs</h2>{status}{bars}{table}{note}"
 
 
-def _engine_row(view: EngineView) -> str:
+def _engine_row(view: EngineView, observation: EngineObservation | None) -> str:
     running = "?" if view.running is None else view.running
     limit = "?" if view.max_num_seqs is None else view.max_num_seqs
     up = '<td class="ok">up</td>' if view.up else '<td class="bad">unreadable</td>'
     return (
-        _cell(view.key.model_name)
-        + _num(view.key.stage)
-        + _num(view.key.engine)
+        _with_sub(view.key.model_name, f"stage {view.key.stage} · engine {view.key.engine}", "engine")
         + up
         + _num(f"{running} / {limit}")
         + _num(view.manifests)
+        + _observation_cell(observation)
         + _cell(view.target or "")
     )
 
 
-def _engine_section(engines: Sequence[EngineView], pages: Sequence[PageResult]) -> str:
-    headers = ("model", "stage", "engine", "page", "running / max_num_seqs", "manifests", "read from")
-    table = _table("engines", headers, (_engine_row(v) for v in engines)) if engines else "<p>No engines.</p>"
+def _observation_cell(observation: EngineObservation | None) -> str:
+    if observation is None:
+        return _cell("-")
+    css = {ObservedState.OK: "ok", ObservedState.OFF: ""}.get(observation.state, "bad")
+    age = "" if observation.age_s is None else f'<span class="sub">{_e(f"{observation.age_s:.0f} s ago")}</span>'
+    return f'<td class="{css}">{_e(observation.state.value)}{age}</td>'
+
+
+def _engine_section(snapshot: Snapshot) -> str:
+    engines, pages = snapshot.engines, snapshot.pages
+    observed = {o.key: o for o in snapshot.observed.engines}
+    headers = ("model", "page", "running / max_num_seqs", "manifests", "observation", "read from")
+    rows = (_engine_row(v, observed.get(v.key)) for v in engines)
+    table = _table("engines", headers, rows) if engines else "<p>No engines.</p>"
     page_rows = (
         _cell(p.target)
         + (_cell("up", "ok") if p.page is not None else _cell(f"down: {p.error}", "bad"))
@@ -223,6 +245,31 @@ def _declaration_section(views: Sequence[DeclarationView]) -> str:
     return "<h2>Declarations</h2>" + _table("declarations", headers, (_declaration_row(v) for v in views)) + note
 
 
+def _owner_row(view: OwnerView) -> str:
+    declared = _bytes(view.ceiling_bytes) if view.declares else '<td class="num bad">declares nothing</td>'
+    return (
+        _with_sub(view.key.model_name, f"stage {view.key.stage} · engine {view.key.engine}", "engine")
+        + _cell(view.owner)
+        + _num(view.gpu)
+        + declared
+        + _bytes(view.observed_bytes)
+        + _bytes(view.unexplained_bytes, "bad" if view.unexplained_bytes else "")
+        + _num(view.caches)
+    )
+
+
+def _observed_section(owners: Sequence[OwnerView]) -> str:
+    headers = ("model", "owner", "gpu", "declared ceiling", "observed", "unexplained", "caches")
+    if not owners:
+        return "<h2>Observed beside declared</h2><p>No observation to show (see each engine's observation state).</p>"
+    note = (
+        '<p class="note">observed: what the owner\'s live transformers caches hold at the last sample, each storage '
+        "once; unexplained: observed beyond the declared ceiling (all of it where nothing is declared).</p>"
+    )
+    table = _table("observed", headers, (_owner_row(v) for v in owners))
+    return "<h2>Observed beside declared</h2>" + table + note
+
+
 def _manifest_row(entry: ManifestEntry) -> str:
     css = {"live": "ok", "stale": "", "invalid": "bad"}[entry.verdict.state.value]
     why = entry.error.detail if entry.error is not None else entry.verdict.why
@@ -256,9 +303,11 @@ def render_landing(snapshot: Snapshot) -> str:
         '<meta http-equiv="refresh" content="10"><title>kv-exporter</title>'
         f"<style>{_STYLE}</style></head><body>"
         f"<h1>kv-exporter {_e(__version__)}</h1>"
-        f'<p>Model-local KV caches: declared ceilings vs live estimates. <a href="/metrics">/metrics</a> · '
+        "<p>Model-local KV caches: declared ceilings, live estimates, and what the caches really hold. "
+        f'<a href="/metrics">/metrics</a> · '
         f'<a href="/healthz">/healthz</a> · collected {_e(taken)} in {snapshot.duration_s * 1000:.1f} ms</p>'
-        f"{banner}{_gpu_section(snapshot)}{_engine_section(snapshot.engines, snapshot.pages)}"
-        f"{_declaration_section(snapshot.declarations)}{_manifest_section(snapshot)}"
+        f"{banner}{_gpu_section(snapshot)}{_engine_section(snapshot)}"
+        f"{_observed_section(snapshot.observed.owners)}{_declaration_section(snapshot.declarations)}"
+        f"{_manifest_section(snapshot)}"
         "</body></html>\n"
     )

@@ -71,7 +71,9 @@ class Chain:
 
 
 def scaling_ceiling(manifests: list[Manifest]) -> int:
-    return sum(d.peak_bytes(m.max_num_seqs) for m in manifests for d in m.declarations if d.rows.scales_with_max_num_seqs)
+    return sum(
+        d.peak_bytes(m.max_num_seqs) for m in manifests for d in m.declarations if d.rows.scales_with_max_num_seqs
+    )
 
 
 def start_sidecar(name: str, server: Server, simulate: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +20,12 @@ import pytest
 
 from kv_exporter.gpu import NvmlReader
 from kv_exporter.manifest import write_manifest
+from kv_exporter.observation import Observation, ObservationState, OwnerObservation
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS, ReferenceModel
+from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
-from kv_exporter.sidecar.http import ExporterApp, build_server, serve_in_thread
+from kv_exporter.sidecar.http import build_server, serve_in_thread
 from kv_exporter.sidecar.thresholds import HEADROOM_ALERT_FRACTION, HeadroomState, headroom_state
 from kv_exporter.sidecar.units import human_bytes
 from tests.openai_server import free_port
@@ -47,17 +49,33 @@ class Gpu:
     max_num_seqs: int
     total: int
     used: int
+    undeclared_per_sequence: int = 0  # an owner that declares nothing holds this much per running sequence
+
+    @property
+    def declared_growth(self) -> int:
+        manifest = reference_manifest(self.model, max_num_seqs=self.max_num_seqs)
+        rows = min(self.running, self.max_num_seqs)
+        return sum(d.peak_bytes(self.max_num_seqs) - d.bytes_per_row * d.rows_at(rows) for d in manifest.declarations)
+
+    @property
+    def beyond(self) -> int:
+        """What observation adds: the undeclared bytes per running sequence, for each sequence still to come."""
+        return self.undeclared_per_sequence * (self.max_num_seqs - self.running)
 
     @property
     def projected_peak(self) -> int:
-        manifest = reference_manifest(self.model, max_num_seqs=self.max_num_seqs)
-        rows = min(self.running, self.max_num_seqs)
-        return self.used + sum(
-            d.peak_bytes(self.max_num_seqs) - d.bytes_per_row * d.rows_at(rows) for d in manifest.declarations
-        )
+        return self.used + self.declared_growth + self.beyond
+
+    def observation(self) -> Observation | None:
+        if not self.undeclared_per_sequence:
+            return None
+        held = (OwnerObservation(VOCODER, self.undeclared_per_sequence * self.running, self.running),)
+        return Observation(ObservationState.OK, "", 10.0, time.time(), 0.001, held)
 
 
+VOCODER = "vocoder"
 COMFORTABLE = Gpu(QWEN3_TTS, 17, 256, 80 * GIB, 40 * GIB)
+UNDER_DECLARED = Gpu(QWEN3_TTS, 17, 256, 80 * GIB, 40 * GIB, undeclared_per_sequence=64 * MIB)
 TIGHT = Gpu(MIMO_AUDIO, 3, 64, 24 * GIB, 24 * GIB - 400 * MIB)  # ~1.5 % left at the projected peak
 OVER = Gpu(QWEN3_TTS, 0, 256, 24 * GIB, 23 * GIB)  # the peak does not fit
 
@@ -150,7 +168,8 @@ def exporter(workdir: Path, gpus: list[Gpu]) -> Iterator[str]:
     with ExitStack() as stack:
         targets = []
         for index, gpu in enumerate(gpus):
-            write_manifest(folder, reference_manifest(gpu.model, max_num_seqs=gpu.max_num_seqs, gpu=index))
+            manifest = reference_manifest(gpu.model, max_num_seqs=gpu.max_num_seqs, gpu=index)
+            write_manifest(folder, replace(manifest, observation=gpu.observation()))
             engine = stack.enter_context(fake_engine(vllm_page_with(gpu.running, gpu.model.model_name)))
             targets.append(EngineTarget.parse(engine.url))
         # Another pid namespace than the manifests' recorded one: liveness by incarnation (no /proc check).
@@ -186,7 +205,8 @@ const cells = [...document.querySelectorAll('table')].map((t) => ({
 const rows = (id) => [...document.querySelectorAll(`#${id} tbody tr`)].map(
   (r) => [...r.cells].map((c) => ({text: c.innerText, cls: c.className})));
 return {viewport: document.documentElement.clientWidth, scrollWidth: document.documentElement.scrollWidth,
-        gpus, cells, gpuRows: rows('gpus'), declarations: rows('declarations'), text: document.body.innerText};
+        gpus, cells, gpuRows: rows('gpus'), declarations: rows('declarations'), observed: rows('observed'),
+        engines: rows('engines'), text: document.body.innerText};
 """
 
 
@@ -276,3 +296,31 @@ def test_a_peak_above_total_shows_the_overflow(tmp_path: Path) -> None:
     assert f"over total by {human_bytes(OVER.projected_peak - OVER.total)}" in shown["legend"]
     badge = rgb(shown["badge"])
     assert badge[0] > 2 * max(badge[1], badge[2]), f"a peak above total is red, not {badge}"
+
+
+@pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None, reason="chromium / chromedriver not installed")
+def test_growth_beyond_the_declarations_and_observed_beside_declared(tmp_path: Path) -> None:
+    gpu = UNDER_DECLARED
+    page = read(tmp_path, [gpu], tmp_path / "landing-observed.png")
+    assert_readable_at_1280(page)
+    (shown,) = page["gpus"]
+    assert [s["cls"] for s in shown["segments"]] == ["seg used", "seg growth", "seg beyond", "seg headroom ok"]
+    _, growth, beyond, headroom = shown["segments"]
+    bar = shown["bar"]
+    for segment, part in (
+        (growth, gpu.declared_growth),
+        (beyond, gpu.beyond),
+        (headroom, gpu.total - gpu.projected_peak),
+    ):
+        assert abs(shares(bar, segment) - part / gpu.total) * bar["width"] <= 1, segment
+    assert (
+        f"growth beyond the declarations (observed, per running sequence) {human_bytes(gpu.beyond)}" in shown["legend"]
+    )
+    owners = {row[1]["text"]: row for row in page["observed"]}
+    vocoder = owners[VOCODER]
+    assert vocoder[3]["text"] == "declares nothing" and "bad" in vocoder[3]["cls"].split()
+    assert [vocoder[4]["text"], vocoder[5]["text"]] == [human_bytes(17 * 64 * MIB)] * 2
+    codec = owners[QWEN3_TTS.declarations[0][0]]
+    assert [codec[4]["text"], codec[5]["text"]] == ["0 B", "0 B"]  # declared, holds nothing here
+    (engine,) = page["engines"]
+    assert engine[4]["text"].split("\n")[0] == "ok"
