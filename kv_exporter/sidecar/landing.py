@@ -16,7 +16,13 @@ from kv_exporter import __version__
 from kv_exporter.sidecar.observed import EngineObservation, ObservedState, OwnerView
 from kv_exporter.sidecar.records import ManifestEntry
 from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, Snapshot
-from kv_exporter.sidecar.thresholds import HEADROOM_ALERT_FRACTION, HeadroomState, headroom_state
+from kv_exporter.sidecar.thresholds import (
+    HEADROOM_ALERT_FRACTION,
+    UNEXPLAINED_ALERT_FRACTION,
+    HeadroomState,
+    exceeds_declaration,
+    headroom_state,
+)
 from kv_exporter.sidecar.units import human_bytes
 
 _STYLE = """
@@ -253,9 +259,16 @@ def _owner_row(view: OwnerView) -> str:
         + _num(view.gpu)
         + declared
         + _bytes(view.observed_bytes)
-        + _bytes(view.unexplained_bytes, "bad" if view.unexplained_bytes else "")
+        + _bytes(view.unexplained_bytes, _unexplained_css(view))
         + _num(view.caches)
     )
+
+
+def _unexplained_css(view: OwnerView) -> str:
+    """As the shipped alerts judge it: red where one fires, amber for an excess within the tolerance."""
+    if exceeds_declaration(view.ceiling_bytes, view.unexplained_bytes) or (view.observed_bytes and not view.declares):
+        return "over"
+    return "low" if view.unexplained_bytes else ""
 
 
 def _observed_section(owners: Sequence[OwnerView]) -> str:
@@ -264,7 +277,9 @@ def _observed_section(owners: Sequence[OwnerView]) -> str:
         return "<h2>Observed beside declared</h2><p>No observation to show (see each engine's observation state).</p>"
     note = (
         '<p class="note">observed: what the owner\'s live transformers caches hold at the last sample, each storage '
-        "once; unexplained: observed beyond the declared ceiling (all of it where nothing is declared).</p>"
+        "once; unexplained: observed beyond the declared ceiling (all of it where nothing is declared); red where "
+        f"an alert fires (beyond {UNEXPLAINED_ALERT_FRACTION:.0%} of the ceiling, shipped default, or undeclared), "
+        "amber within that tolerance.</p>"
     )
     table = _table("observed", headers, (_owner_row(v) for v in owners))
     return "<h2>Observed beside declared</h2>" + table + note

@@ -12,6 +12,13 @@ from enum import Enum
 
 # ModelLocalKVHeadroomLow fires while headroom / total is below this fraction (and not below 0).
 HEADROOM_ALERT_FRACTION = 0.10
+# ModelLocalKVOwnerExceedsDeclaration fires while an owner holds more than its declared ceiling by this fraction.
+UNEXPLAINED_ALERT_FRACTION = 0.05
+
+
+def exceeds_declaration(ceiling: int, unexplained: int) -> bool:
+    """What ModelLocalKVOwnerExceedsDeclaration judges (an owner declaring nothing is the other alert's)."""
+    return ceiling > 0 and unexplained / ceiling > UNEXPLAINED_ALERT_FRACTION
 
 
 class HeadroomState(Enum):

@@ -10,7 +10,12 @@ from typing import Any
 import pytest
 import yaml
 
-from kv_exporter.sidecar.thresholds import HEADROOM_ALERT_FRACTION, HeadroomState, headroom_state
+from kv_exporter.sidecar.thresholds import (
+    HEADROOM_ALERT_FRACTION,
+    UNEXPLAINED_ALERT_FRACTION,
+    HeadroomState,
+    headroom_state,
+)
 from tests.deploy.helpers import (
     ALERTS_DOC,
     RULES,
@@ -48,12 +53,19 @@ def recorded(path: Path) -> list[dict[str, Any]]:
     return [r for g in yaml.safe_load(path.read_text())["groups"] for r in g["rules"] if "record" in r]
 
 
-def test_landing_page_default_is_the_shipped_one() -> None:
+@pytest.mark.parametrize(
+    ("rule", "constant"),
+    [
+        (DEFAULT_RULE, HEADROOM_ALERT_FRACTION),
+        ("model_local_kv:unexplained_alert_fraction:default", UNEXPLAINED_ALERT_FRACTION),
+    ],
+)
+def test_landing_page_default_is_the_shipped_one(rule: str, constant: float) -> None:
     """One number in two files (the rules and the package the landing page reads): they must agree."""
-    (default,) = [r for r in recorded(RULES) if r["record"] == DEFAULT_RULE]
+    (default,) = [r for r in recorded(RULES) if r["record"] == rule]
     match = re.fullmatch(r"vector\(([0-9.]+)\)", default["expr"])
     assert match, default["expr"]
-    assert float(match.group(1)) == HEADROOM_ALERT_FRACTION
+    assert float(match.group(1)) == constant
 
 
 def test_overrides_never_write_a_shipped_series() -> None:
@@ -164,6 +176,8 @@ def test_issue_alerts_exist() -> None:
         "model_local_kv_engine_manifests",  # manifests missing for a running engine
         "model_local_kv_manifest_errors_total",  # manifest errors increasing
         "up",  # exporter down
+        "model_local_kv_observed_bytes",  # holds KV declaring nothing; declared rows per sequence, never allocated
+        "model_local_kv_observation_state",  # observation off or failing: never a silent absence
     ):
         assert metric in by_metric, f"no alert reads {metric}"
     # Headroom below the fraction in force: the shipped default unless an operator's override applies.
@@ -171,6 +185,11 @@ def test_issue_alerts_exist() -> None:
     assert DEFAULT_RULE in effective["expr"] and OVERRIDE_RULE in effective["expr"]
     headroom = [a for a in alerts() if effective["record"] in a["expr"]]
     assert [a["alert"] for a in headroom] == ["ModelLocalKVHeadroomLow"]
+    # An owner holding more than it declared, beyond the tolerance in force: recorded from the unexplained bytes.
+    (ratio,) = [r for r in recorded(RULES) if r["record"] == "owner:model_local_kv_unexplained:ratio"]
+    assert "model_local_kv_unexplained_bytes" in metrics_in(ratio["expr"])
+    exceeds = [a["alert"] for a in alerts() if ratio["record"] in a["expr"]]
+    assert exceeds == ["ModelLocalKVOwnerExceedsDeclaration"]
 
 
 def test_runbooks_exist_in_docs() -> None:

@@ -318,7 +318,7 @@ def test_growth_beyond_the_declarations_and_observed_beside_declared(tmp_path: P
     )
     owners = {row[1]["text"]: row for row in page["observed"]}
     vocoder = owners[VOCODER]
-    assert vocoder[3]["text"] == "declares nothing" and "bad" in vocoder[3]["cls"].split()
+    assert vocoder[3]["text"] == "declares nothing" and "over" in vocoder[5]["cls"].split()
     assert [vocoder[4]["text"], vocoder[5]["text"]] == [human_bytes(17 * 64 * MIB)] * 2
     codec = owners[QWEN3_TTS.declarations[0][0]]
     assert [codec[4]["text"], codec[5]["text"]] == ["0 B", "0 B"]  # declared, holds nothing here
