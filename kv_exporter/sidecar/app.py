@@ -18,6 +18,7 @@ from kv_exporter.sidecar.landing import render_landing
 
 # Level 1: a third of level 6's time on a 220 KB page, for a 20% larger body (docs/benchmarks.md, target 1).
 GZIP_LEVEL = 1
+DEFAULT_TELEMETRY_PATH = "/metrics"
 _MAX_SHARED_FORMATS = 16  # formats with a shared rendering; others (odd Accept headers) render per request
 
 Encoder = Callable[[Collector], bytes]
@@ -26,8 +27,9 @@ Encoder = Callable[[Collector], bytes]
 class ExporterApp:
     """The endpoints' content, independent of the HTTP plumbing."""
 
-    def __init__(self, collection: Collection) -> None:
+    def __init__(self, collection: Collection, telemetry_path: str = DEFAULT_TELEMETRY_PATH) -> None:
         self.collection = collection
+        self.telemetry_path = telemetry_path
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(KVCollector(collection))
         self.exposition = Exposition()
@@ -65,4 +67,4 @@ class ExporterApp:
         return gzip.compress(body, compresslevel=GZIP_LEVEL) if compressed else body
 
     def landing(self) -> bytes:
-        return render_landing(self.collection.snapshot()).encode()
+        return render_landing(self.collection.snapshot(), self.telemetry_path).encode()

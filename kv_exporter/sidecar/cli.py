@@ -10,12 +10,14 @@ import sys
 import threading
 from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
-from kv_exporter import __version__
 from kv_exporter.manifest import DEFAULT_LIMITS, DEFAULT_MANIFEST_DIR
-from kv_exporter.sidecar.app import ExporterApp
+from kv_exporter.sidecar.app import DEFAULT_TELEMETRY_PATH, ExporterApp
+from kv_exporter.sidecar.buildinfo import build_info
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
 from kv_exporter.sidecar.http import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
+from kv_exporter.sidecar.logs import FORMATS, LEVELS, setup_logging
 
 log = logging.getLogger("kv_exporter")
 
@@ -73,20 +75,87 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class _Version(argparse.Action):
+    """--version as one unwrapped line (argparse's own action wraps it at the terminal width)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        print(build_info().line())
+        parser.exit()
+
+
+class _Deprecated(argparse.Action):
+    """An old spelling of an option: it still works, hidden from --help, and says which spelling replaced it."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, replacement: str, **kwargs: Any) -> None:
+        self.replacement = replacement
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.deprecated = [*getattr(namespace, "deprecated", []), (option, self.replacement)]
+
+
+def _log_level(text: str) -> str:
+    level = {"warning": "warn"}.get(text, text)  # the old spelling of warn
+    if level not in LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LEVELS)}, got {text!r}")
+    return level
+
+
 def _common(parser: argparse.ArgumentParser, default_listen: str) -> None:
+    """The exporter-toolkit's own flags, spelled as node_exporter spells them (the old spellings still work)."""
     parser.add_argument(
-        "--listen-address",
+        "--web.listen-address",
+        dest="listen_address",
         type=_listen_address,
         default=default_listen,
+        metavar="ADDRESS",
         help=f"[host]:port to serve on (default {default_listen})",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error"), help="default info"
+        "--listen-address", dest="listen_address", type=_listen_address, action=_Deprecated,
+        replacement="--web.listen-address",
+    )  # fmt: skip
+    parser.add_argument(
+        "--web.telemetry-path",
+        dest="telemetry_path",
+        type=_telemetry_path,
+        default=DEFAULT_TELEMETRY_PATH,
+        metavar="PATH",
+        help="path under which to expose the metrics (default %(default)s)",
+    )
+    parser.add_argument(
+        "--log.level",
+        dest="log_level",
+        type=_log_level,
+        default="info",
+        metavar="{" + ",".join(LEVELS) + "}",
+        help="default info",
+    )
+    parser.add_argument("--log-level", dest="log_level", type=_log_level, action=_Deprecated, replacement="--log.level")
+    parser.add_argument(
+        "--log.format", dest="log_format", choices=FORMATS, default=FORMATS[0], help="default %(default)s"
     )
 
 
+def _telemetry_path(text: str) -> str:
+    if not text.startswith("/") or text in ("/", "/healthz", "/index.html") or "?" in text or "#" in text:
+        raise argparse.ArgumentTypeError(f"must be a path such as /metrics, other than / and /healthz; got {text!r}")
+    return text
+
+
 def _limits(serve: argparse.ArgumentParser) -> None:
-    from kv_exporter.sidecar.snapshot import DEFAULT_MAX_SERIES, SERIES_PER_DECLARATION, SERIES_PER_ENGINE
+    from kv_exporter.sidecar.snapshot import (
+        DEFAULT_MAX_SERIES,
+        SERIES_PER_DECLARATION,
+        SERIES_PER_ENGINE,
+        SERIES_PER_OWNER,
+    )
 
     serve.add_argument(
         "--manifest-max-bytes",
@@ -104,8 +173,9 @@ def _limits(serve: argparse.ArgumentParser) -> None:
         "--max-series",
         type=_positive_int,
         default=DEFAULT_MAX_SERIES,
-        help=f"cap on the series live manifests add ({SERIES_PER_DECLARATION} a declaration, {SERIES_PER_ENGINE} an "
-        "engine); the newest manifests past it are left out whole (default %(default)s)",
+        help=f"cap on the series live manifests add ({SERIES_PER_DECLARATION} a declaration, {SERIES_PER_OWNER} an "
+        f"owner, {SERIES_PER_ENGINE} an engine); the newest manifests past it are left out whole (default "
+        "%(default)s)",
     )
 
 
@@ -113,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kv_exporter.sidecar.demo import DEMO_LISTEN_ADDRESS
 
     parser = argparse.ArgumentParser(prog="kv-exporter", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"kv-exporter {__version__}")
+    parser.add_argument("--version", action=_Version, help="show the version, revision and Python, and exit")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the Prometheus exporter")
@@ -155,22 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(serve, DEFAULT_LISTEN_ADDRESS)
 
-    report = commands.add_parser("report", help="print the declarations in a manifest folder")
-    report.add_argument("--manifest-dir", default=DEFAULT_MANIFEST_DIR, help="default %(default)s")
+    report = commands.add_parser("report", help="print the declarations in a manifest folder, beside what they hold")
+    report.add_argument(
+        "folder", nargs="?", metavar="DIR", help=f"the manifest folder (default {DEFAULT_MANIFEST_DIR})"
+    )
+    report.add_argument("--manifest-dir", help="the same, as an option")
     report.add_argument("--max-num-seqs", type=_positive_int, help="rows for max_num_seqs-driven caches")
     report.add_argument("--json", action="store_true", help="JSON instead of a table")
 
     demo = commands.add_parser("demo", help="simulated engines, reference manifests and a simulated GPU")
     _common(demo, DEMO_LISTEN_ADDRESS)
     return parser
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
 
 
 def _wait_for_signal() -> None:
@@ -210,14 +275,14 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     collection = Collection(settings, reader)
     try:
-        server = _listen(args, ExporterApp(collection))
+        server = _listen(args, ExporterApp(collection, args.telemetry_path))
     except (OSError, ValueError) as exc:  # WebConfigError is a ValueError
         collection.close()
         print(f"kv-exporter: cannot serve on {args.listen_address}: {exc}", file=sys.stderr)
         return 1
     serve_in_thread(server)
-    log.info("serving %s/metrics (manifests in %s, %d engine page(s))", server_url(server), args.manifest_dir,
-             len(settings.targets))  # fmt: skip
+    log.info("serving %s%s (manifests in %s, %d engine page(s))", server_url(server), args.telemetry_path,
+             args.manifest_dir, len(settings.targets))  # fmt: skip
     try:
         _wait_for_signal()
     finally:
@@ -247,7 +312,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from kv_exporter.sidecar.demo import describe, start_demo
 
     try:
-        demo = start_demo(args.listen_address)
+        demo = start_demo(args.listen_address, args.telemetry_path)
     except OSError as exc:
         print(f"kv-exporter demo: cannot listen on {args.listen_address}: {exc}", file=sys.stderr)
         return 1
@@ -262,14 +327,20 @@ def run_demo(args: argparse.Namespace) -> int:
 def run_report(args: argparse.Namespace) -> int:
     from kv_exporter.sidecar.report import run_report as report
 
-    text, status = report(args.manifest_dir, args.max_num_seqs, args.json)
+    if args.folder and args.manifest_dir and args.folder != args.manifest_dir:
+        print(f"kv-exporter report: two folders given ({args.folder}, {args.manifest_dir})", file=sys.stderr)
+        return 2
+    text, status = report(args.folder or args.manifest_dir or DEFAULT_MANIFEST_DIR, args.max_num_seqs, args.json)
     (sys.stdout if status != 2 else sys.stderr).write(text)
     return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _setup_logging(args.log_level if hasattr(args, "log_level") else "warning")
+    # report prints every problem in its own output; the readers' log lines would say each a second time.
+    setup_logging("error" if args.command == "report" else args.log_level, getattr(args, "log_format", "logfmt"))
+    for old, new in getattr(args, "deprecated", []):
+        log.warning("%s is deprecated and will be removed: use %s", old, new)
     commands = {"serve": run_serve, "demo": run_demo, "report": run_report}
     return commands[args.command](args)
 

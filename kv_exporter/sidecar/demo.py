@@ -33,7 +33,7 @@ from kv_exporter.manifest import (
     write_manifest,
 )
 from kv_exporter.reference import REFERENCE_MODELS, ReferenceModel
-from kv_exporter.sidecar.app import ExporterApp
+from kv_exporter.sidecar.app import DEFAULT_TELEMETRY_PATH, ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
 from kv_exporter.sidecar.http import ExporterServer, build_server, serve_in_thread, server_url
@@ -190,7 +190,11 @@ class Demo:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def start_demo(listen_address: str = DEMO_LISTEN_ADDRESS, clock: Callable[[], float] = time.time) -> Demo:
+def start_demo(
+    listen_address: str = DEMO_LISTEN_ADDRESS,
+    telemetry_path: str = DEFAULT_TELEMETRY_PATH,
+    clock: Callable[[], float] = time.time,
+) -> Demo:
     engines = demo_engines()
     gpu = DemoGpu(engines, clock)
     folder = tempfile.mkdtemp(prefix="kv-exporter-demo-")
@@ -204,7 +208,7 @@ def start_demo(listen_address: str = DEMO_LISTEN_ADDRESS, clock: Callable[[], fl
     targets = tuple(EngineTarget.parse(u) for u in urls)
     collection = Collection(CollectionSettings(manifest_dir=folder, targets=targets), gpu)
     try:
-        exporter = build_server(listen_address, ExporterApp(collection))
+        exporter = build_server(listen_address, ExporterApp(collection, telemetry_path))
     except BaseException:
         engines_server.shutdown()
         engines_server.server_close()
@@ -219,7 +223,7 @@ def describe(demo: Demo) -> str:
     lines = [
         'kv-exporter demo (everything below is simulated; the GPU series carry source="simulated")',
         f"  landing page:  {demo.url}/",
-        f"  metrics:       {demo.url}/metrics",
+        f"  metrics:       {demo.url}{demo.exporter.app.telemetry_path}",
         f"  health:        {demo.url}/healthz",
         f"  manifests:     {demo.folder}  (4 reference models + {BROKEN_MANIFEST}, deliberately invalid)",
         *(f"  engine page:   {u}" for u in demo.engine_urls),

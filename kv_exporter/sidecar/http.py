@@ -52,7 +52,7 @@ class ExporterHandler(BaseHTTPRequestHandler):
             return
         path = self.path.split("?", 1)[0]
         try:
-            if path == "/metrics":
+            if path == self.server.app.telemetry_path:
                 accept = self.headers.get("Accept"), self.headers.get("Accept-Encoding")
                 body, headers = self.server.app.metrics(*accept)
                 self._send(200, body, headers)
@@ -61,7 +61,8 @@ class ExporterHandler(BaseHTTPRequestHandler):
             elif path in ("/", "/index.html"):
                 self._send(200, self.server.app.landing(), {"Content-Type": "text/html; charset=utf-8"})
             else:
-                self._send(404, b"Not found: try /metrics\n", {"Content-Type": "text/plain; charset=utf-8"})
+                text = f"Not found: try {self.server.app.telemetry_path}\n".encode()
+                self._send(404, text, {"Content-Type": "text/plain; charset=utf-8"})
         except Exception:  # the collector is built never to raise; if it does, answer rather than hang up
             log.exception("error serving %s", path)
             self._send(500, b"internal error, see the exporter log\n", {"Content-Type": "text/plain"})

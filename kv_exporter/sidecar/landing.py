@@ -309,7 +309,7 @@ def _manifest_section(snapshot: Snapshot) -> str:
 _SIMULATED_BANNER = '<p><span class="simulated">SIMULATED GPU: the GPU figures below are made up.</span></p>'
 
 
-def render_landing(snapshot: Snapshot) -> str:
+def render_landing(snapshot: Snapshot, telemetry_path: str = "/metrics") -> str:
     taken = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snapshot.taken_at))
     simulated = any(v.source == "simulated" for v in snapshot.gpus)
     banner = _SIMULATED_BANNER if simulated else ""
@@ -319,7 +319,7 @@ def render_landing(snapshot: Snapshot) -> str:
         f"<style>{_STYLE}</style></head><body>"
         f"<h1>kv-exporter {_e(__version__)}</h1>"
         "<p>Model-local KV caches: declared ceilings, live estimates, and what the caches really hold. "
-        f'<a href="/metrics">/metrics</a> · '
+        f'<a href="{_e(telemetry_path)}">{_e(telemetry_path)}</a> · '
         f'<a href="/healthz">/healthz</a> · collected {_e(taken)} in {snapshot.duration_s * 1000:.1f} ms</p>'
         f"{banner}{_gpu_section(snapshot)}{_engine_section(snapshot)}"
         f"{_observed_section(snapshot.observed.owners)}{_declaration_section(snapshot.declarations)}"
