@@ -1,7 +1,7 @@
 """`kv-exporter demo`: the whole exporter against made-up inputs, in one process.
 
-- an in-process simulated engine serving one vLLM-format metrics page per reference model, whose running count
-  moves with time (a slow wave, so nothing needs a background loop);
+- an in-process simulated engine (kv_exporter.sidecar.simulated_engine) serving one vLLM-format metrics page per
+  reference model, whose running count moves with time (a slow wave, so nothing needs a background loop);
 - manifests for the four reference models (kv_exporter.reference), written by the real writer into a temporary
   folder, plus one deliberately broken file to show how a bad manifest is reported;
 - a simulated GPU (clearly labelled `source="simulated"`) whose used memory follows the live rows, as a real
@@ -15,12 +15,9 @@ import math
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 from kv_exporter.gpu import GpuMemory, GpuScan, SimulatedGpu
 from kv_exporter.manifest import (
@@ -37,6 +34,7 @@ from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
 from kv_exporter.sidecar.http import ExporterServer, build_server, serve_in_thread, server_url
+from kv_exporter.sidecar.simulated_engine import SimulatedEngine, vllm_page
 
 GIB = 1 << 30
 DEMO_LISTEN_ADDRESS = "127.0.0.1:9477"
@@ -70,43 +68,13 @@ def demo_engines() -> list[DemoEngine]:
     ]
 
 
-def vllm_page(engine: DemoEngine, running: int) -> bytes:
-    """A vLLM-format page (the same series names and labels vLLM 0.32 prints) for one engine."""
-    name = engine.model.model_name.replace("\\", "\\\\").replace('"', '\\"')
-    labels = f'engine="0",model_name="{name}"'
-    return (
-        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
-        "# TYPE vllm:num_requests_running gauge\n"
-        f"vllm:num_requests_running{{{labels}}} {float(running)}\n"
-        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
-        "# TYPE vllm:num_requests_waiting gauge\n"
-        f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
-    ).encode()
+def start_simulated_engines(engines: list[DemoEngine], clock: Callable[[], float]) -> SimulatedEngine:
+    """One simulated engine serving each demo engine's page at /SLUG/metrics, its running count read per request."""
 
+    def page(engine: DemoEngine) -> Callable[[], bytes]:
+        return lambda: vllm_page(engine.model.model_name, engine.running(clock()))
 
-def start_simulated_engines(engines: list[DemoEngine], clock: Callable[[], float]) -> ThreadingHTTPServer:
-    pages = {f"/{e.slug}/metrics": e for e in engines}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            engine = pages.get(self.path)
-            if engine is None:
-                self.send_error(404)
-                return
-            body = vllm_page(engine, engine.running(clock()))
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="demo-engines", daemon=True).start()
-    return server
+    return SimulatedEngine({f"/{e.slug}/metrics": page(e) for e in engines})
 
 
 def demo_manifest(engine: DemoEngine, gpu: SimulatedGpu) -> Manifest:
@@ -172,7 +140,7 @@ BROKEN_MANIFEST = "broken-example.json"
 @dataclass
 class Demo:
     folder: str
-    engines_server: ThreadingHTTPServer
+    engines: SimulatedEngine
     exporter: ExporterServer
     collection: Collection
     engine_urls: list[str]
@@ -184,8 +152,7 @@ class Demo:
     def close(self) -> None:
         self.exporter.shutdown()
         self.exporter.server_close()
-        self.engines_server.shutdown()
-        self.engines_server.server_close()
+        self.engines.stop()
         self.collection.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -198,21 +165,19 @@ def start_demo(listen_address: str = DEMO_LISTEN_ADDRESS, clock: Callable[[], fl
         write_manifest(folder, demo_manifest(engine, gpu.gpu))
     with open(os.path.join(folder, BROKEN_MANIFEST), "w") as broken:
         broken.write('{"schema_version": 1, "truncated": ')  # what a crashed non-atomic writer leaves
-    engines_server = start_simulated_engines(engines, clock)
-    port = engines_server.server_address[1]
-    urls = [f"http://127.0.0.1:{port}/{e.slug}/metrics" for e in engines]
+    simulated = start_simulated_engines(engines, clock)
+    urls = [simulated.url_for(path) for path in simulated.pages]
     targets = tuple(EngineTarget.parse(u) for u in urls)
     collection = Collection(CollectionSettings(manifest_dir=folder, targets=targets), gpu)
     try:
         exporter = build_server(listen_address, ExporterApp(collection))
     except BaseException:
-        engines_server.shutdown()
-        engines_server.server_close()
+        simulated.stop()
         collection.close()
         shutil.rmtree(folder, ignore_errors=True)
         raise
     serve_in_thread(exporter)
-    return Demo(folder, engines_server, exporter, collection, urls)
+    return Demo(folder, simulated, exporter, collection, urls)
 
 
 def describe(demo: Demo) -> str:
