@@ -20,7 +20,7 @@ from deployment import source_at
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv_exporter.sidecar.engine_page import PIPELINE_METRIC, STAGE_METRIC, EngineKey, EnginePage, scan_page
-from tests.unit.fake_engine import OMNI_PAGE, VLLM_MODEL, vllm_page_with
+from tests.support.pages import OMNI_PAGE, VLLM_MODEL, vllm_page_with
 
 FASTER_AT_LEAST = 20.0
 RUNNING = 5

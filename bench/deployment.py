@@ -40,7 +40,7 @@ from kv_exporter.manifest import (
 )
 from kv_exporter.reference import REFERENCE_MODELS
 from kv_exporter.sidecar.engine_page import STAGE_METRIC
-from tests.unit.fake_engine import vllm_page_with
+from tests.support.pages import vllm_page_with
 
 MODEL = "bench-omni"
 MAX_NUM_SEQS = 64

@@ -4,8 +4,6 @@ returns data. (The real-engine chain is tests/deploy/test_chain_engine.py.)"""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,32 +13,20 @@ from tests.deploy.helpers import (
     RULES,
     Prometheus,
     dashboard,
-    free_port,
     prometheus_config,
     resolve_variables,
     rule_groups,
     start_prometheus,
-    stop,
-    wait_http,
 )
+from tests.support.sidecar import sidecar
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def demo() -> Iterator[str]:
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kv_exporter", "demo", f"--listen-address={address}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_http(f"http://{address}/healthz", 30, proc)
-        yield address
-    finally:
-        stop(proc)
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with sidecar(tmp_path_factory.mktemp("demo"), command="demo") as running:
+        yield running.address
 
 
 @pytest.fixture(scope="module")

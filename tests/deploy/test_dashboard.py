@@ -15,7 +15,6 @@ from typing import Any
 import yaml
 
 from tests.deploy.helpers import (
-    ROOT,
     contract_metrics,
     dashboard,
     dashboard_targets,
@@ -24,6 +23,7 @@ from tests.deploy.helpers import (
     run,
     tool,
 )
+from tests.support.constants import REPO
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 FILTER_VARIABLES = ("model", "stage", "gpu")
@@ -34,7 +34,7 @@ def panels() -> list[dict[str, Any]]:
 
 
 def test_generated_files_are_current() -> None:
-    run(sys.executable, str(ROOT / "deploy/generate.py"), "--check")
+    run(sys.executable, str(REPO / "deploy/generate.py"), "--check")
 
 
 def test_datasource_is_a_variable() -> None:

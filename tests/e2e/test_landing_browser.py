@@ -14,22 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from kv_exporter.gpu import SimulatedGpu
 from kv_exporter.manifest import write_manifest
 from kv_exporter.reference import QWEN3_TTS
-from kv_exporter.sidecar.collection import Collection, CollectionSettings
-from kv_exporter.sidecar.engine_page import EngineTarget
-from kv_exporter.sidecar.http import ExporterApp, build_server, serve_in_thread
 from kv_exporter.sidecar.report import human_bytes
-from tests.unit.fake_engine import fake_engine, vllm_page_with
-from tests.unit.manifests import reference_manifest
+from kv_exporter.sidecar.simulated_engine import SimulatedEngine
+from tests.support.constants import GIB, QWEN_ROW
+from tests.support.exporter import exporter, simulated_gpu
+from tests.support.manifests import reference_manifest
+from tests.support.pages import vllm_page_with
 
 pytestmark = pytest.mark.e2e
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-GIB = 1 << 30
-ROW = 4_653_056
-UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 SCREENSHOT_DIR = Path(os.environ.get("KV_EXPORTER_SCREENSHOT_DIR", tempfile.gettempdir()))
 
 
@@ -98,18 +94,11 @@ def chromium(*args: str, timeout: float = 90) -> str:
 @contextmanager
 def exporter_with_one_engine(tmp_path: Path) -> Iterator[str]:
     write_manifest(tmp_path, reference_manifest(QWEN3_TTS, max_num_seqs=256))
-    gpu = SimulatedGpu(total=80 * GIB, used=60 * GIB, uuid=UUID0)
-    with fake_engine(vllm_page_with(17, "Qwen3-TTS")) as engine:
-        collection = Collection(CollectionSettings(str(tmp_path), (EngineTarget.parse(engine.url),)), gpu, "pid:[1]")
-        server = build_server("127.0.0.1:0", ExporterApp(collection))
-        thread = serve_in_thread(server)
-        try:
-            yield f"http://127.0.0.1:{server.server_address[1]}/"
-        finally:
-            server.shutdown()
-            server.server_close()
-            collection.close()
-            thread.join(5)
+    with (
+        SimulatedEngine(vllm_page_with(17, "Qwen3-TTS")) as engine,
+        exporter(tmp_path, [engine.url], simulated_gpu()) as e,
+    ):
+        yield e.url + "/"
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed (scripts/ensure-system-deps.sh)")
@@ -123,7 +112,7 @@ def test_landing_page_in_chromium(tmp_path: Path) -> None:
     gpus = tables.tables["gpus"]
     header, row = gpus[0], dict(zip(gpus[0], gpus[1], strict=True))
     assert "projected peak" in header and "headroom" in header
-    projected = 60 * GIB + 2 * (256 - 17) * ROW
+    projected = 60 * GIB + 2 * (256 - 17) * QWEN_ROW
     assert row["source"] == "SIMULATED"
     assert (row["total"], row["used"]) == ("80.00 GiB", "60.00 GiB")
     assert row["projected peak"] == human_bytes(projected)
@@ -135,6 +124,6 @@ def test_landing_page_in_chromium(tmp_path: Path) -> None:
     decls = [dict(zip(header, r, strict=True)) for r in rows]
     request = next(d for d in decls if d["cache"] == "codec_decoder_request_cache")
     assert (request["ceiling rows"], request["estimate rows"]) == ("256", "17")
-    assert request["ceiling"] == human_bytes(256 * ROW) and request["estimate"] == human_bytes(17 * ROW)
+    assert request["ceiling"] == human_bytes(256 * QWEN_ROW) and request["estimate"] == human_bytes(17 * QWEN_ROW)
     assert "SIMULATED GPU" in dom
     assert shot.exists() and shot.stat().st_size > 20_000

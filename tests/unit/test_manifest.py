@@ -23,7 +23,7 @@ from kv_exporter.manifest import (
     write_manifest,
 )
 from kv_exporter.reference import MINICPM_O, QWEN3_TTS
-from tests.unit.manifests import reference_manifest
+from tests.support.manifests import reference_manifest
 
 SCHEMA = json.loads(
     (Path(__file__).parents[2] / "kv_exporter" / "schema" / "manifest.schema.json").read_text(encoding="utf-8")
