@@ -36,7 +36,7 @@ test: $(STAMP) system-deps engine-env omni-env fuzz-env lint
 	$(PY) -m pytest tests
 
 bench: $(STAMP)
-	$(PY) bench/run_all.py
+	$(PY) -m bench.run_all
 
 fuzz: $(STAMP)
 	bash scripts/fuzz.sh

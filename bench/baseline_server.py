@@ -2,7 +2,7 @@
 holds exactly the series kv-exporter printed (same names, labels and values), and nothing else.
 
 `equivalent_spec(text)` turns one kv-exporter page into that registry's description (JSON); the helper process
-`python bench/baseline_server.py --spec FILE --port P` serves it on 127.0.0.1 and prints one JSON line
+`python -m bench.baseline_server --spec FILE --port P` serves it on 127.0.0.1 and prints one JSON line
 `{"pid": ..., "series": N}` once serving, then runs until SIGTERM. `build_registry(spec)` is the same registry
 in-process (for `generate_latest` timings).
 """
@@ -19,9 +19,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from benchlib import BENCH, PYTHON, Children, free_port, read_json_line, wait_until_serving
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
+
+from bench.benchlib import Children, module_argv, read_json_line, wait_until_serving
+from tests.support.net import free_port
 
 Spec = list[dict[str, Any]]
 
@@ -63,7 +65,7 @@ def write_spec(spec: Spec, folder: Path) -> Path:
 
 
 def baseline_argv(spec_file: Path, port: int) -> list[str]:
-    return [PYTHON, str(BENCH / "baseline_server.py"), "--spec", str(spec_file), "--port", str(port)]
+    return module_argv("baseline_server", "--spec", str(spec_file), "--port", str(port))
 
 
 def start_baseline(kids: Children, spec: Spec, folder: Path) -> tuple[int, int]:

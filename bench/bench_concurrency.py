@@ -1,7 +1,7 @@
 """Target 5, concurrency: 32 scrapers at once for 30 s against the target-1 deployment; no errors, and a p99 within
 4x the single-client p99 measured in the same run.
 
-    .venv/bin/python bench/bench_concurrency.py [--clients N] [--seconds S] [--json-out FILE]
+    .venv/bin/python -m bench.bench_concurrency [--clients N] [--seconds S] [--compare-with GITREF] [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchlib import Report, ScrapeError, Scraper, children, cpu_seconds, summarize
-from deployment import SCRAPE_LAYOUT, Running, pages_served, source_at, start_deployment, start_sidecar
+from bench.benchlib import Report, ScrapeError, Scraper, children, cpu_seconds, summarize
+from bench.deployment import SCRAPE_LAYOUT, Running, pages_served, source_at, start_deployment, start_sidecar
 
 P99_FACTOR = 4.0
 
@@ -91,10 +91,10 @@ def main() -> int:
         single, many = both_phases(running, args.clients, args.seconds)
         if args.compare_with:
             source = source_at(args.compare_with, Path(tmp))
-            sidecar, port, _ = start_sidecar(
+            sidecar = start_sidecar(
                 kids, SCRAPE_LAYOUT, Path(tmp), running.engines.pid, running.engine_ports, source=source
             )
-            earlier = dataclasses.replace(running, sidecar=sidecar, port=port)
+            earlier = dataclasses.replace(running, sidecar=sidecar)
             show(report, f"at {args.compare_with}: ", *both_phases(earlier, args.clients, args.seconds))
     factor = show(report, "", single, many)
     shown = "; ".join(sorted(set(many.errors))[:3])

@@ -1,7 +1,7 @@
 """Target 2, engine-page reading: the running counts out of a real page, kv-exporter's scanner against
 prometheus_client's parser on the same bytes, in the same run.
 
-    .venv/bin/python bench/bench_engine_page.py [--repeats N] [--json-out FILE]
+    .venv/bin/python -m bench.bench_engine_page [--repeats N] [--compare-with GITREF] [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchlib import Report, summarize
-from deployment import source_at
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.benchlib import Report, summarize
+from bench.deployment import source_at
 from kv_exporter.sidecar.engine_page import PIPELINE_METRIC, STAGE_METRIC, EngineKey, EnginePage, scan_page
-from tests.unit.fake_engine import OMNI_PAGE, VLLM_MODEL, vllm_page_with
+from tests.support.pages import OMNI_PAGE, VLLM_MODEL, vllm_page_with
 
 FASTER_AT_LEAST = 20.0
 RUNNING = 5
@@ -86,8 +86,10 @@ def compare(report: Report, label: str, data: bytes, repeats: int, earlier: Scan
 
 
 def scanner_at(ref: str, folder: Path) -> Scanner:
-    """scan_page as it was at git `ref` (engine_page.py imports only the standard library)."""
-    path = source_at(ref, folder) / "kv_exporter" / "engine_page.py"
+    """scan_page as it was at git `ref` (engine_page.py imports only the standard library), in this layout or the one
+    before kv_exporter/sidecar/."""
+    package = source_at(ref, folder) / "kv_exporter"
+    path = next(p for p in (package / "sidecar" / "engine_page.py", package / "engine_page.py") if p.exists())
     spec = importlib.util.spec_from_file_location(f"engine_page_at_{ref}", path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)

@@ -1,7 +1,7 @@
 """Target 3, footprint: resident memory over 10,000 scrapes, time from process start to the first successful
 scrape, and no torch (or vLLM) in the sidecar process.
 
-    .venv/bin/python bench/bench_footprint.py [--scrapes N] [--starts N] [--json-out FILE]
+    .venv/bin/python -m bench.bench_footprint [--scrapes N] [--starts N] [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -15,21 +15,22 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from baseline_server import baseline_argv, equivalent_spec, start_baseline, write_spec
-from benchlib import (
+from bench.baseline_server import baseline_argv, equivalent_spec, start_baseline, write_spec
+from bench.benchlib import (
     PYTHON,
     Children,
     Report,
     Scraper,
     children,
-    free_port,
     mapped_files,
     rss_bytes,
     scrape_series,
     summarize,
     wait_until_serving,
 )
-from deployment import GPU_TOTAL, GPU_USED, SCRAPE_LAYOUT, start_deployment, text_page
+from bench.deployment import SCRAPE_LAYOUT, start_deployment, text_page
+from tests.support.constants import SIMULATE_GPU
+from tests.support.net import free_port
 
 MIB = 1 << 20
 RSS_LIMIT = 40 * MIB
@@ -54,7 +55,7 @@ def serve_argv(folder: Path, engine_ports: tuple[int, ...], port: int) -> list[s
     """The real console script, as a user runs it."""
     script = Path(PYTHON).parent / "kv-exporter"
     argv = [str(script)] if script.exists() else [PYTHON, "-m", "kv_exporter"]
-    argv += ["serve", "--manifest-dir", str(folder), "--simulate-gpu", f"{GPU_TOTAL}:{GPU_USED}"]
+    argv += ["serve", "--manifest-dir", str(folder), *SIMULATE_GPU]
     argv += [a for p in engine_ports for a in ("--engine-url", f"http://127.0.0.1:{p}/metrics")]
     return [*argv, "--listen-address", f"127.0.0.1:{port}", "--log-level", "warning"]
 

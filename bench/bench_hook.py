@@ -1,6 +1,6 @@
 """How long the hook holds up model load: collection plus publish on a 10,000-module tree (budget: 50 ms).
 
-Runs standalone: `.venv/bin/python bench/bench_hook.py [--modules N] [--repeats N] [--json]`. Three timings on
+Runs standalone: `.venv/bin/python -m bench.bench_hook [--modules N] [--repeats N] [--json]`. Three timings on
 the same tree, in the same run: a bare `named_modules()` walk (the baseline no collector can beat), the
 collection alone (walk + declarations + conversion), and the whole publish (collection, identity, manifest,
 strict self-check, atomic write with fsync, summary log). Exit status 1 when the publish median exceeds the
@@ -21,8 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # standalone from a checkout
 
 import torch
 from torch import nn

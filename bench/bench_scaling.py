@@ -1,6 +1,6 @@
 """Target 4, scaling: scrape time for 10, 100, 1,000 and 10,000 declarations; a table and a PNG plot.
 
-.venv/bin/python bench/bench_scaling.py [--sizes 10,100,1000,10000] [--plot docs/scaling.png] [--json-out F]
+.venv/bin/python -m bench.bench_scaling [--sizes 10,100,1000,10000] [--plot docs/scaling.png] [--json-out F]
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from baseline_server import build_registry, equivalent_spec, series_count, start_baseline
-from benchlib import ROOT, Report, Scraper, Stats, Subject, children, interleaved, rss_bytes, summarize
-from deployment import scaling_layout, start_deployment, text_page
 from prometheus_client import generate_latest
+
+from bench.baseline_server import build_registry, equivalent_spec, series_count, start_baseline
+from bench.benchlib import Report, Scraper, Stats, Subject, children, interleaved, rss_bytes, summarize
+from bench.deployment import scaling_layout, start_deployment, text_page
+from tests.support.constants import REPO
 
 SIZES = (10, 100, 1000, 10_000)
 # Each a worker of 10 declarations; the plot and the table need enough samples for a p90, not thousands.
@@ -83,7 +85,7 @@ def measure(size: int, scrapes: int) -> Row:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    parser.add_argument("--plot", default=str(ROOT / "docs" / "scaling.png"), help="PNG to write ('' for none)")
+    parser.add_argument("--plot", default=str(REPO / "docs" / "scaling.png"), help="PNG to write ('' for none)")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]

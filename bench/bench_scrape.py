@@ -1,6 +1,6 @@
 """Target 1, scrape latency: 8 GPUs x 3 stages x 6 declarations, 3 engines serving the real vLLM page.
 
-.venv/bin/python bench/bench_scrape.py [--scrapes N] [--json-out FILE]
+.venv/bin/python -m bench.bench_scrape [--scrapes N] [--compare-with GITREF] [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from baseline_server import equivalent_spec, series_count, start_baseline
-from benchlib import (
+from bench.baseline_server import equivalent_spec, series_count, start_baseline
+from bench.benchlib import (
     Children,
     Report,
     Scraper,
@@ -22,7 +22,7 @@ from benchlib import (
     interleaved,
     summarize,
 )
-from deployment import SCRAPE_LAYOUT, source_at, start_deployment, start_sidecar, text_page
+from bench.deployment import SCRAPE_LAYOUT, source_at, start_deployment, start_sidecar, text_page
 
 OURS, BASELINE = "kv-exporter", "baseline (plain gauges)"
 MEDIAN_MS = 5.0
@@ -85,10 +85,8 @@ def measure(
     }
     if compare_with:
         source = source_at(compare_with, tmp)
-        sidecar, port, _ = start_sidecar(
-            kids, SCRAPE_LAYOUT, tmp, running.engines.pid, running.engine_ports, source=source
-        )
-        subjects[f"kv-exporter at {compare_with}"] = Subject(sidecar.pid, Scraper("127.0.0.1", port))
+        earlier = start_sidecar(kids, SCRAPE_LAYOUT, tmp, running.engines.pid, running.engine_ports, source=source)
+        subjects[f"kv-exporter at {compare_with}"] = Subject(earlier.pid, Scraper("127.0.0.1", earlier.port))
     interleaved(subjects, 50)  # warm-up, not counted
     for subject in subjects.values():
         subject.samples.clear()

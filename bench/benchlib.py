@@ -1,8 +1,9 @@
 """Shared by every benchmark: statistics, the printed report, result files, child processes, the HTTP scraper.
 
-Every figure a benchmark prints goes through `report_stats`, every claim through `Check`, so `run_all.py` can
-collect them into one table. Child processes are started with `start` and stopped by pid with `stop` (also when
-a benchmark fails half-way: use `children()` as a context manager).
+Every figure a benchmark prints goes through `Report`, every claim through `Check`, so `bench.run_all` can collect
+them into one table. Child processes are started with `start` (or adopted with `track`) and stopped by pid with
+`stop` (also when a benchmark fails half-way: use `children()` as a context manager). The benchmarks run as modules
+from the repository root (`python -m bench.run_all`), and so do their helper processes (`module_argv`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import contextlib
 import http.client
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -21,12 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-PYTHON = sys.executable
+from tests.support.constants import REPO
+from tests.support.sidecar import stop_process
 
-if str(ROOT) not in sys.path:  # run from a checkout without installing
-    sys.path.insert(0, str(ROOT))
+PYTHON = sys.executable
 
 # What Prometheus 2.42 (the Debian package used by the e2e tests) sends with every scrape, as captured from it
 # (the timeout header at the default scrape_timeout).
@@ -39,9 +37,9 @@ PROMETHEUS_HEADERS = {
 }
 
 
-def gpu_uuid(index: int) -> str:
-    """The UUID of benchmark GPU `index`, as the manifests record it and the simulated devices report it."""
-    return f"GPU-{index:08x}-bench-0000-0000-000000000000"
+def module_argv(module: str, *args: str) -> list[str]:
+    """The command line of `python -m bench.MODULE ARGS` (run in the repository root: see `Children.start`)."""
+    return [PYTHON, "-m", f"bench.{module}", *args]
 
 
 # -- statistics ----------------------------------------------------------------------------------------------
@@ -91,7 +89,7 @@ class Check:
 
 @dataclass
 class Report:
-    """What one benchmark prints, and writes as JSON for run_all.py (`--json-out`)."""
+    """What one benchmark prints, and writes as JSON for bench.run_all (`--json-out`)."""
 
     name: str
     method: str
@@ -145,7 +143,7 @@ def format_stats(stats: Stats, unit: str = "ms") -> str:
 
 
 def json_out_arg(argv: Sequence[str] | None = None) -> str | None:
-    """`--json-out PATH`, the one option every benchmark takes (run_all.py passes it)."""
+    """`--json-out PATH`, the one option every benchmark takes (bench.run_all passes it)."""
     import argparse
 
     parser = argparse.ArgumentParser()
@@ -163,18 +161,16 @@ class Children:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(list(argv), **kwargs)
+        """Popen in the repository root (where `python -m bench.X` finds the benchmarks), unless `cwd` says else."""
+        return self.track(subprocess.Popen(list(argv), **{"cwd": REPO, **kwargs}))
+
+    def track(self, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+        """Stop `proc`, started elsewhere, with the others."""
         self.procs.append(proc)
         return proc
 
     def stop(self, proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process(proc, grace_s=grace_s)
         for stream in (proc.stdin, proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
@@ -316,14 +312,6 @@ def wait_until_serving(host: str, port: int, timeout_s: float = 30.0, path: str 
             pass
         time.sleep(0.002)
     raise RuntimeError(f"nothing served http://{host}:{port}{path} within {timeout_s} s")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -17,16 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchlib import (  # importing benchlib puts the checkout on sys.path
-    BENCH,
-    PYTHON,
-    Children,
-    free_port,
-    gpu_uuid,
-    read_json_line,
-    wait_until_serving,
-)
-
+from bench.benchlib import Children, module_argv, read_json_line, wait_until_serving
 from kv_exporter.manifest import (
     Declaration,
     DeviceInfo,
@@ -40,13 +31,13 @@ from kv_exporter.manifest import (
 )
 from kv_exporter.reference import REFERENCE_MODELS
 from kv_exporter.sidecar.engine_page import STAGE_METRIC
-from tests.unit.fake_engine import vllm_page_with
+from tests.support.constants import REPO, SIMULATE_GPU, gpu_uuid
+from tests.support.pages import vllm_page_with
+from tests.support.sidecar import Sidecar
+from tests.support.sidecar import start_sidecar as start_sidecar_process
 
 MODEL = "bench-omni"
 MAX_NUM_SEQS = 64
-GIB = 1 << 30
-GPU_TOTAL = 80 * GIB
-GPU_USED = 60 * GIB
 
 # Every reference declaration (7 specs over 4 models), cycled to make up a worker's caches.
 REFERENCE_DECLARATIONS = tuple(
@@ -134,7 +125,7 @@ def stage_page(stage: int, running: int) -> bytes:
     old = f'{STAGE_METRIC.decode()}{{engine="0",model_name="{MODEL}"}} {running}.0'.encode()
     new = f'{STAGE_METRIC.decode()}{{model_name="{MODEL}",replica="0",stage="{stage}"}} {running}.0'.encode()
     if page.count(old) != 1:
-        raise RuntimeError("the recorded page changed: update bench/deployment.py")
+        raise RuntimeError("the recorded page changed: update bench.deployment")
     return page.replace(old, new)
 
 
@@ -143,29 +134,22 @@ def stage_page(stage: int, running: int) -> bytes:
 
 @dataclass(frozen=True)
 class Running:
-    """A started deployment: the engines' process, the sidecar's process and port, its manifest folder."""
+    """A started deployment: the engines' process, the sidecar, its manifest folder."""
 
     engines: subprocess.Popen[bytes]
     engine_ports: tuple[int, ...]
-    sidecar: subprocess.Popen[bytes]
-    port: int
+    sidecar: Sidecar
     folder: Path
+
+    @property
+    def port(self) -> int:
+        return self.sidecar.port
 
 
 def start_engines(kids: Children, stages: int) -> tuple[subprocess.Popen[bytes], tuple[int, ...]]:
-    proc = kids.start([PYTHON, str(BENCH / "engines.py"), "--stages", str(stages)], stdout=subprocess.PIPE)
+    proc = kids.start(module_argv("engines", "--stages", str(stages)), stdout=subprocess.PIPE)
     ready = read_json_line(proc)
     return proc, tuple(ready["ports"])
-
-
-def sidecar_argv(
-    folder: Path, engine_ports: Sequence[int], port: int, gpus: int, engine_pid: int, extra: Sequence[str] = ()
-) -> list[str]:
-    argv = [PYTHON, str(BENCH / "sidecar.py"), "--gpus", str(gpus), "--engine-pid", str(engine_pid), "--"]
-    argv += ["serve", "--manifest-dir", str(folder), "--simulate-gpu", f"{GPU_TOTAL}:{GPU_USED}"]
-    for engine_port in engine_ports:
-        argv += ["--engine-url", f"http://127.0.0.1:{engine_port}/metrics"]
-    return [*argv, "--listen-address", f"127.0.0.1:{port}", "--log-level", "warning", *extra]
 
 
 def start_deployment(kids: Children, layout: Layout, folder: Path, extra: Sequence[str] = ()) -> Running:
@@ -173,7 +157,8 @@ def start_deployment(kids: Children, layout: Layout, folder: Path, extra: Sequen
     the layout declares."""
     engines, engine_ports = start_engines(kids, layout.stages)
     write_deployment(folder / "manifests", layout, engines.pid)
-    running = Running(engines, engine_ports, *start_sidecar(kids, layout, folder, engines.pid, engine_ports, extra))
+    sidecar = start_sidecar(kids, layout, folder, engines.pid, engine_ports, extra)
+    running = Running(engines, engine_ports, sidecar, folder)
     verify(running, layout)
     return running
 
@@ -186,25 +171,27 @@ def start_sidecar(
     engine_ports: Sequence[int],
     extra: Sequence[str] = (),
     source: Path | None = None,
-) -> tuple[subprocess.Popen[bytes], int, Path]:
-    """A sidecar on `folder`/manifests (from `source`, another copy of the package, if given); (process, port,
-    folder) once it answers. Its log goes to `folder`/sidecar-PORT.log."""
-    port = free_port()
-    env = {**os.environ, "KVX_BENCH_SOURCE": str(source)} if source else None
-    with (folder / f"sidecar-{port}.log").open("wb") as log:
-        argv = sidecar_argv(folder / "manifests", engine_ports, port, layout.gpus, engine_pid, extra)
-        sidecar = kids.start(argv, stderr=log, env=env)
-    wait_until_serving("127.0.0.1", port, timeout_s=300)
-    return sidecar, port, folder
+) -> Sidecar:
+    """The 8-GPU sidecar (bench.sidecar) on `folder`/manifests, once it answers; `source`: another copy of the package
+    (from `source_at`) to run instead of the checkout's. Its log goes to `folder`/sidecar-N.log."""
+    gpus = ("--gpus", str(layout.gpus), "--engine-pid", str(engine_pid), "--")
+    args = ["--manifest-dir", str(folder / "manifests"), *SIMULATE_GPU]
+    args += [a for port in engine_ports for a in ("--engine-url", f"http://127.0.0.1:{port}/metrics")]
+    env = None
+    if source:  # it runs in that copy's folder, which Python searches first; the checkout adds bench and tests
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    entry = ("-m", "bench.sidecar", *gpus)
+    sidecar = start_sidecar_process(folder, *args, *extra, entry=entry, cwd=source or REPO, env=env, timeout_s=300)
+    kids.track(sidecar.process)
+    wait_until_serving("127.0.0.1", sidecar.port, timeout_s=300)
+    return sidecar
 
 
 def source_at(ref: str, folder: Path) -> Path:
     """The package as it was at git `ref`, unpacked under `folder` (read-only git: `git archive`)."""
     target = folder / f"source-{ref.replace('/', '_')}"
     target.mkdir()
-    archive = subprocess.run(
-        ["git", "-C", str(BENCH.parent), "archive", ref, "kv_exporter"], capture_output=True, check=True
-    )
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "kv_exporter"], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
     return target
 

@@ -1,7 +1,7 @@
 """Where one scrape's time goes: the benchmark deployment, the exporter in this process, pyinstrument over N
 scrapes, plus a per-phase breakdown (manifests, liveness, engine pages, GPUs, snapshot, families, encoding, gzip).
 
-    .venv/bin/python bench/profile_scrape.py [--declarations N] [--scrapes N] [--html FILE]
+    .venv/bin/python -m bench.profile_scrape [--declarations N] [--scrapes N] [--html FILE]
 
 The engines run in their own process as in the benchmarks; only the exporter is in-process, so the profile
 shows its own work (the page fetches appear as the time spent waiting for them).
@@ -18,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchlib import PROMETHEUS_HEADERS, children, format_stats, summarize
-from deployment import GPU_TOTAL, GPU_USED, SCRAPE_LAYOUT, Layout, scaling_layout, start_engines, write_deployment
 from prometheus_client.exposition import choose_encoder
-from sidecar import SimulatedGpus
 
+from bench.benchlib import PROMETHEUS_HEADERS, children, format_stats, summarize
+from bench.deployment import SCRAPE_LAYOUT, Layout, scaling_layout, start_engines, write_deployment
+from bench.sidecar import SimulatedGpus
 from kv_exporter.sidecar.app import GZIP_LEVEL, ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
@@ -30,6 +30,7 @@ from kv_exporter.sidecar.exposition import Fixed
 from kv_exporter.sidecar.families import families
 from kv_exporter.sidecar.inputs import assess, read_gpus
 from kv_exporter.sidecar.snapshot import build_snapshot
+from tests.support.constants import GPU_TOTAL, GPU_USED
 
 
 def phases(collection: Collection, app: ExporterApp) -> dict[str, Callable[[], Any]]:
@@ -69,7 +70,7 @@ def main() -> int:
         write_deployment(folder, layout, engines.pid)
         targets = tuple(EngineTarget.parse(f"http://127.0.0.1:{port}/metrics") for port in ports)
         reader = SimulatedGpus(GPU_TOTAL, GPU_USED, layout.gpus, engines.pid)
-        # The series cap raised as in bench_scaling.py, so that every declaration is on the page.
+        # The series cap raised as in bench.bench_scaling, so that every declaration is on the page.
         settings = CollectionSettings(
             manifest_dir=str(folder), targets=targets, max_series=20 * layout.declarations + 1000
         )

@@ -1,11 +1,12 @@
 """Every benchmark in turn (`make bench`), then one table: target, measured, PASS or MISS.
 
-    .venv/bin/python bench/run_all.py [--quick] [--only scrape,footprint,...] [--out DIR] [--strict]
+    .venv/bin/python -m bench.run_all [--quick] [--only scrape,footprint,...] [--out DIR] [--strict]
 
-Each benchmark is a standalone script that prints its method, its figures (median, p90, p99, min-max) and the
-ratio against its baseline measured in the same run; this runner streams that output, collects each script's
-checks (`--json-out`) and prints the summary. A miss is a finding, not a failure: the exit status is 0 when every
-benchmark ran (1 with --strict when a target was missed), 2 when one could not run.
+from the repository root, as every benchmark module. Each benchmark is a standalone module that prints its method,
+its figures (median, p90, p99, min-max) and the ratio against its baseline measured in the same run; this runner
+streams that output, collects each module's checks (`--json-out`) and prints the summary. A miss is a finding, not
+a failure: the exit status is 0 when every benchmark ran (1 with --strict when a target was missed), 2 when one
+could not run.
 """
 
 from __future__ import annotations
@@ -19,23 +20,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchlib import BENCH, PYTHON, ROOT, Check, Report, Stats, load_average
+from bench.benchlib import Check, Report, Stats, load_average, module_argv
+from tests.support.constants import REPO
 
 
 @dataclass(frozen=True)
 class Bench:
     key: str
-    script: str
+    module: str  # bench.MODULE
     quick: tuple[str, ...]  # arguments for --quick (a smoke run: same code paths, fewer samples)
 
 
 BENCHES = (
-    Bench("scrape", "bench_scrape.py", ("--scrapes", "200")),
-    Bench("engine_page", "bench_engine_page.py", ("--repeats", "20")),
-    Bench("footprint", "bench_footprint.py", ("--scrapes", "1000", "--starts", "2")),
-    Bench("scaling", "bench_scaling.py", ("--sizes", "10,100,1000", "--plot", "")),
-    Bench("concurrency", "bench_concurrency.py", ("--seconds", "9")),
-    Bench("hook", "bench_hook.py", ("--repeats", "10")),  # the hook helper's; optional
+    Bench("scrape", "bench_scrape", ("--scrapes", "200")),
+    Bench("engine_page", "bench_engine_page", ("--repeats", "20")),
+    Bench("footprint", "bench_footprint", ("--scrapes", "1000", "--starts", "2")),
+    Bench("scaling", "bench_scaling", ("--sizes", "10,100,1000", "--plot", "")),
+    Bench("concurrency", "bench_concurrency", ("--seconds", "9")),
+    Bench("hook", "bench_hook", ("--repeats", "10")),  # the hook helper's; optional
 )
 
 
@@ -54,7 +56,7 @@ def run(bench: Bench, quick: bool, out: Path) -> Outcome:
         return run_hook(bench, extra, started)
     result_file = out / f"{bench.key}.json"
     result_file.unlink(missing_ok=True)
-    proc = subprocess.run([PYTHON, str(BENCH / bench.script), *extra, "--json-out", str(result_file)], cwd=ROOT)
+    proc = subprocess.run(module_argv(bench.module, *extra, "--json-out", str(result_file)), cwd=REPO)
     seconds = time.monotonic() - started
     if proc.returncode != 0 or not result_file.exists():
         return Outcome(bench, seconds, [], f"exit status {proc.returncode}")
@@ -63,10 +65,8 @@ def run(bench: Bench, quick: bool, out: Path) -> Outcome:
 
 
 def run_hook(bench: Bench, extra: list[str], started: float) -> Outcome:
-    """bench_hook.py prints JSON with --json; shown here in the same form as the others."""
-    proc = subprocess.run(
-        [PYTHON, str(BENCH / bench.script), *extra, "--json"], cwd=ROOT, capture_output=True, text=True
-    )
+    """bench.bench_hook prints JSON with --json; shown here in the same form as the others."""
+    proc = subprocess.run(module_argv(bench.module, *extra, "--json"), cwd=REPO, capture_output=True, text=True)
     seconds = time.monotonic() - started
     try:
         result: dict[str, Any] = json.loads(proc.stdout)
@@ -78,7 +78,7 @@ def run_hook(bench: Bench, extra: list[str], started: float) -> Outcome:
 
 def hook_report(result: dict[str, Any]) -> Report:
     method = (
-        f"bench/bench_hook.py (the hook's own benchmark): a {result['modules']}-module tree with "
+        f"bench.bench_hook (the hook's own benchmark): a {result['modules']}-module tree with "
         f"{result['declarations']} declarations, {result['repeats']} repeats, collector {result['collector']}.\n"
         "Baseline: a bare named_modules() walk of the same tree, same run."
     )
@@ -93,7 +93,7 @@ def hook_report(result: dict[str, Any]) -> Report:
     report.check(
         f"collection + publish <= {result['budget_ms']:g} ms", f"{publish:.1f} ms", bool(result["within_budget"])
     )
-    for key, value in result.items():  # the per-step check, however bench_hook.py names it
+    for key, value in result.items():  # the per-step check, however bench.bench_hook names it
         if "step" in key and isinstance(value, bool):
             report.check("no wrapper on the per-step path", f"{key}: {value}", value)
     return report
@@ -117,11 +117,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a smoke run: fewer samples, no plot")
     parser.add_argument("--only", help="comma-separated: " + ",".join(b.key for b in BENCHES))
-    parser.add_argument("--out", type=Path, default=ROOT / ".artifacts" / "bench", help="result JSON files")
+    parser.add_argument("--out", type=Path, default=REPO / ".artifacts" / "bench", help="result JSON files")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args()
     chosen = [b for b in BENCHES if not args.only or b.key in args.only.split(",")]
-    if not (BENCH / "bench_hook.py").exists():
+    if not (REPO / "bench" / "bench_hook.py").exists():
         chosen = [b for b in chosen if b.key != "hook"]
     args.out.mkdir(parents=True, exist_ok=True)
     outcomes = [run(bench, args.quick, args.out) for bench in chosen]

@@ -1,31 +1,39 @@
-"""Helper process: the real `kv-exporter serve` (cli.main, unchanged) with NVML simulated as `--gpus` devices.
+"""Helper process: the real `kv-exporter serve` (its CLI's main, unchanged) with NVML simulated as `--gpus` devices.
 
 `--simulate-gpu` gives one simulated GPU; the benchmark deployment spans 8. The only thing replaced here is the
 simulated device class the CLI instantiates (NVML is the one part allowed to be faked): each device has the
 `--simulate-gpu` total and used figures, the UUIDs the benchmark manifests record, and `--engine-pid` using
-1 GiB on it (so the per-process NVML path runs as in a hostPID DaemonSet).
+1 GiB on it (so the per-process NVML path runs as in a hostPID DaemonSet). Started by tests.support.sidecar:
 
-    python bench/sidecar.py --gpus 8 --engine-pid PID -- serve --manifest-dir D --engine-url U ... \
-        --simulate-gpu 80GiB:60GiB --listen-address 127.0.0.1:PORT
+    python -m bench.sidecar --gpus 8 --engine-pid PID -- serve --manifest-dir D --engine-url U ... \
+        --simulate-gpu 80GiB:60GiB --listen-address 127.0.0.1:0
+
+The kv_exporter it runs is the first on the path: the checkout's, or an earlier commit's (`--compare-with`:
+bench.deployment.start_sidecar runs it in that copy's folder), in this layout or the one before kv_exporter/sidecar/.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import importlib
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
-from benchlib import gpu_uuid  # stdlib only: keeps this process's footprint the exporter's own
+import kv_exporter
+from tests.support.constants import GIB, gpu_uuid  # standard library only: the footprint stays the exporter's own
 
-# The checkout before any installed copy; or KVX_BENCH_SOURCE, another copy of the package (an earlier commit,
-# for before/after figures: see deployment.source_at).
-sys.path.insert(0, os.environ.get("KVX_BENCH_SOURCE") or str(Path(__file__).resolve().parents[1]))
 
-from kv_exporter import cli, nvml
-from kv_exporter.gpu import GpuMemory, GpuScan, SimulatedGpu
+def exporter_modules() -> tuple[ModuleType, ModuleType]:
+    """The CLI and the GPU module of the kv_exporter on the path (found by its files, not by import fallbacks)."""
+    if (Path(kv_exporter.__file__).parent / "sidecar" / "cli.py").exists():
+        return importlib.import_module("kv_exporter.sidecar.cli"), importlib.import_module("kv_exporter.gpu")
+    return importlib.import_module("kv_exporter.cli"), importlib.import_module("kv_exporter.nvml")
 
-GIB = 1 << 30
+
+cli, gpu = exporter_modules()
+SimulatedGpu = gpu.SimulatedGpu  # the class itself, before main() puts SimulatedGpus in its place
 
 
 class SimulatedGpus:
@@ -39,18 +47,19 @@ class SimulatedGpus:
         self.pid_namespace = self.devices[0].pid_namespace
         self.source = self.devices[0].source
 
-    def scan(self) -> GpuScan:
-        return GpuScan(tuple(d.device(d.index) for d in self.devices))
+    def scan(self) -> Any:
+        return gpu.GpuScan(tuple(d.device(d.index) for d in self.devices))
 
-    def device(self, index: int) -> GpuMemory:
+    def device(self, index: int) -> Any:
         return self._at(index).device(index)
 
     def process_memory(self, index: int) -> dict[int, int]:
-        return self._at(index).process_memory(index)
+        result: dict[int, int] = self._at(index).process_memory(index)
+        return result
 
-    def _at(self, index: int) -> SimulatedGpu:
+    def _at(self, index: int) -> Any:
         if not 0 <= index < len(self.devices):
-            raise nvml.GpuReadError("invalid_argument", "no such simulated device", index)
+            raise gpu.GpuReadError("invalid_argument", "no such simulated device", index)
         return self.devices[index]
 
 
@@ -65,10 +74,11 @@ def main() -> int:
     def simulated(total: int, used: int) -> SimulatedGpus:
         return SimulatedGpus(total, used, count, engine_pid)
 
-    # cli.run_serve imports SimulatedGpu from kv_exporter.gpu when it runs: this is the class it will find.
-    nvml.SimulatedGpu = simulated  # type: ignore[misc,assignment]
+    # The CLI imports SimulatedGpu from the GPU module when it serves: this is the class it will find.
+    gpu.SimulatedGpu = simulated
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
-    return cli.main(serve_args)
+    exit_code: int = cli.main(serve_args)
+    return exit_code
 
 
 if __name__ == "__main__":

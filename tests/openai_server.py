@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import subprocess
 import time
 import urllib.request
@@ -23,12 +22,6 @@ def mark_real_engine_tests(
             item.add_marker(marker)
             if not ready:
                 item.add_marker(pytest.mark.skip(reason=missing))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def stat_fields(pid: int) -> list[str] | None:

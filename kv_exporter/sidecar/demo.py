@@ -1,10 +1,13 @@
 """`kv-exporter demo`: the whole exporter against made-up inputs, in one process.
 
-- an in-process simulated engine serving one vLLM-format metrics page per reference model, whose running count
-  moves with time (a slow wave, so nothing needs a background loop);
+- an in-process simulated engine (kv_exporter.sidecar.simulated_engine) serving one vLLM-format metrics page per
+  reference model, whose running count moves with time (a slow wave, so nothing needs a background loop);
 - manifests for the four reference models (kv_exporter.reference), written by the real writer into a temporary
   folder, plus one deliberately broken file to show how a bad manifest is reported;
-- a simulated GPU (clearly labelled `source="simulated"`) whose used memory follows the live rows, as a real
+- an observer that rewrites each manifest every few seconds with what its caches "hold", as the hook's sampler
+  does: the declared rows at the running count, except that Qwen3-TTS's sliding window stores its whole window
+  (72 positions where 71 are declared, docs/cache-bytes.md) and ming_flash_omni keeps a cache nobody declared;
+- a simulated GPU (clearly labelled `source="simulated"`) whose used memory follows what the caches hold, as a real
   device's would;
 - the exporter itself on its usual port.
 """
@@ -18,9 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 from kv_exporter.gpu import GpuMemory, GpuScan, SimulatedGpu
 from kv_exporter.manifest import (
@@ -32,11 +33,13 @@ from kv_exporter.manifest import (
     ProcessInfo,
     write_manifest,
 )
-from kv_exporter.reference import REFERENCE_MODELS, ReferenceModel
+from kv_exporter.observation import Observation, ObservationState, OwnerObservation
+from kv_exporter.reference import MING_FLASH_OMNI, QWEN3_TTS, REFERENCE_MODELS, ReferenceModel
 from kv_exporter.sidecar.app import DEFAULT_TELEMETRY_PATH, ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
 from kv_exporter.sidecar.http import ExporterServer, build_server, serve_in_thread, server_url
+from kv_exporter.sidecar.simulated_engine import SimulatedEngine, vllm_page
 
 GIB = 1 << 30
 DEMO_LISTEN_ADDRESS = "127.0.0.1:9477"
@@ -46,6 +49,10 @@ DEMO_GPU_BASE_USED = 76 * GIB
 # max_num_seqs per reference model, in REFERENCE_MODELS order.
 DEMO_MAX_NUM_SEQS = (256, 64, 16, 8)
 WAVE_PERIOD_S = 60.0
+DEMO_OBSERVE_INTERVAL_S = 5.0
+# Where the demo's caches hold other than their declarations say (everything else holds exactly the declared rows).
+STORED_POSITIONS = {QWEN3_TTS.model_name: 72}  # a sliding layer's storage keeps the whole window
+UNDECLARED = {MING_FLASH_OMNI.model_name: ("talker.vocoder", 8 << 20)}  # owner, bytes: one cache, never declared
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,21 @@ class DemoEngine:
         wave = 0.5 * (1 + math.sin(2 * math.pi * now / WAVE_PERIOD_S + self.phase))
         return round(wave * self.max_num_seqs)
 
+    def held(self, now: float) -> tuple[OwnerObservation, ...]:
+        """What this engine's caches hold at `now`: per owner, its declared rows at the running count."""
+        running = self.running(now)
+        owners: dict[str, list[int]] = {}
+        for owner, spec in self.model.declarations:
+            d = Declaration.from_spec(owner, spec)
+            stored = STORED_POSITIONS.get(self.model.model_name, d.physical_capacity_positions)
+            tally = owners.setdefault(owner, [0, 0])
+            tally[0] += d.rows_at(running) * d.bytes_per_row * stored // d.physical_capacity_positions
+            tally[1] += d.rows_at(running)  # one cache object a row, as per-request caches are
+        if self.model.model_name in UNDECLARED:
+            owner, size = UNDECLARED[self.model.model_name]
+            owners[owner] = [size, 1]
+        return tuple(OwnerObservation(owner, size, caches) for owner, (size, caches) in owners.items())
+
 
 def demo_engines() -> list[DemoEngine]:
     return [
@@ -70,43 +92,13 @@ def demo_engines() -> list[DemoEngine]:
     ]
 
 
-def vllm_page(engine: DemoEngine, running: int) -> bytes:
-    """A vLLM-format page (the same series names and labels vLLM 0.32 prints) for one engine."""
-    name = engine.model.model_name.replace("\\", "\\\\").replace('"', '\\"')
-    labels = f'engine="0",model_name="{name}"'
-    return (
-        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
-        "# TYPE vllm:num_requests_running gauge\n"
-        f"vllm:num_requests_running{{{labels}}} {float(running)}\n"
-        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
-        "# TYPE vllm:num_requests_waiting gauge\n"
-        f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
-    ).encode()
+def start_simulated_engines(engines: list[DemoEngine], clock: Callable[[], float]) -> SimulatedEngine:
+    """One simulated engine serving each demo engine's page at /SLUG/metrics, its running count read per request."""
 
+    def page(engine: DemoEngine) -> Callable[[], bytes]:
+        return lambda: vllm_page(engine.model.model_name, engine.running(clock()))
 
-def start_simulated_engines(engines: list[DemoEngine], clock: Callable[[], float]) -> ThreadingHTTPServer:
-    pages = {f"/{e.slug}/metrics": e for e in engines}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            engine = pages.get(self.path)
-            if engine is None:
-                self.send_error(404)
-                return
-            body = vllm_page(engine, engine.running(clock()))
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="demo-engines", daemon=True).start()
-    return server
+    return SimulatedEngine({f"/{e.slug}/metrics": page(e) for e in engines})
 
 
 def demo_manifest(engine: DemoEngine, gpu: SimulatedGpu) -> Manifest:
@@ -139,13 +131,7 @@ class DemoGpu:
 
     def live_bytes(self) -> int:
         now = self.clock()
-        total = 0
-        for engine in self.engines:
-            running = engine.running(now)
-            for _, spec in engine.model.declarations:
-                d = Declaration.from_spec("", spec)
-                total += d.bytes_per_row * d.rows_at(running)
-        return total
+        return sum(owner.bytes for engine in self.engines for owner in engine.held(now))
 
     def _refresh(self) -> None:
         held = self.live_bytes()
@@ -170,22 +156,54 @@ BROKEN_MANIFEST = "broken-example.json"
 
 
 @dataclass
+class Observer:
+    """Rewrites each demo manifest with a fresh observation every DEMO_OBSERVE_INTERVAL_S, as the hook's sampler."""
+
+    folder: str
+    manifests: list[tuple[DemoEngine, Manifest]]
+    clock: Callable[[], float]
+    stopped: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def observe(self) -> None:
+        now = self.clock()
+        for engine, manifest in self.manifests:
+            sample = Observation(ObservationState.OK, "", DEMO_OBSERVE_INTERVAL_S, now, 0.0, engine.held(now))
+            write_manifest(self.folder, replace(manifest, observation=sample, written_at=now))
+
+    def start(self) -> None:
+        def loop() -> None:
+            while not self.stopped.wait(DEMO_OBSERVE_INTERVAL_S):
+                self.observe()
+
+        self.observe()
+        self.thread = threading.Thread(target=loop, name="demo-observer", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join()  # before the folder goes: a last write would make it again
+
+
+@dataclass
 class Demo:
     folder: str
-    engines_server: ThreadingHTTPServer
+    engines: SimulatedEngine
     exporter: ExporterServer
     collection: Collection
     engine_urls: list[str]
+    observer: Observer
 
     @property
     def url(self) -> str:
         return server_url(self.exporter)
 
     def close(self) -> None:
+        self.observer.stop()
         self.exporter.shutdown()
         self.exporter.server_close()
-        self.engines_server.shutdown()
-        self.engines_server.server_close()
+        self.engines.stop()
         self.collection.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -198,25 +216,24 @@ def start_demo(
     engines = demo_engines()
     gpu = DemoGpu(engines, clock)
     folder = tempfile.mkdtemp(prefix="kv-exporter-demo-")
-    for engine in engines:
-        write_manifest(folder, demo_manifest(engine, gpu.gpu))
+    observer = Observer(folder, [(engine, demo_manifest(engine, gpu.gpu)) for engine in engines], clock)
+    observer.start()
     with open(os.path.join(folder, BROKEN_MANIFEST), "w") as broken:
         broken.write('{"schema_version": 1, "truncated": ')  # what a crashed non-atomic writer leaves
-    engines_server = start_simulated_engines(engines, clock)
-    port = engines_server.server_address[1]
-    urls = [f"http://127.0.0.1:{port}/{e.slug}/metrics" for e in engines]
+    simulated = start_simulated_engines(engines, clock)
+    urls = [simulated.url_for(path) for path in simulated.pages]
     targets = tuple(EngineTarget.parse(u) for u in urls)
     collection = Collection(CollectionSettings(manifest_dir=folder, targets=targets), gpu)
     try:
         exporter = build_server(listen_address, ExporterApp(collection, telemetry_path))
     except BaseException:
-        engines_server.shutdown()
-        engines_server.server_close()
+        observer.stop()
+        simulated.stop()
         collection.close()
         shutil.rmtree(folder, ignore_errors=True)
         raise
     serve_in_thread(exporter)
-    return Demo(folder, engines_server, exporter, collection, urls)
+    return Demo(folder, simulated, exporter, collection, urls, observer)
 
 
 def describe(demo: Demo) -> str:

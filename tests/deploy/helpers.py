@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,10 +19,11 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.openai_server import free_port
+from tests.support.constants import REPO
+from tests.support.net import free_port
+from tests.support.sidecar import stop_process
 
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
+DEPLOY = REPO / "deploy"
 KUSTOMIZE_ROOTS = [
     DEPLOY / "kubernetes/base",
     *sorted(p for p in (DEPLOY / "kubernetes/overlays").iterdir() if p.is_dir()),
@@ -33,11 +32,11 @@ RULES = DEPLOY / "prometheus/kv-exporter.rules.yml"
 RULES_TEST = DEPLOY / "prometheus/kv-exporter.rules.test.yml"
 THRESHOLDS_EXAMPLE = DEPLOY / "prometheus/kv-exporter.thresholds.example.yml"
 THRESHOLDS_TEST = DEPLOY / "prometheus/kv-exporter.thresholds.test.yml"
-DASHBOARD = ROOT / "dashboards/kv-exporter.json"
+DASHBOARD = REPO / "dashboards/kv-exporter.json"
 COMPOSE = DEPLOY / "compose/compose.yaml"
 COMPOSE_PROMETHEUS = DEPLOY / "compose/prometheus.yml"
-CONTRACTS = ROOT / "docs/CONTRACTS.md"
-ALERTS_DOC = ROOT / "docs/alerts.md"
+CONTRACTS = REPO / "docs/CONTRACTS.md"
+ALERTS_DOC = REPO / "docs/alerts.md"
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -49,7 +48,7 @@ def tool(name: str) -> str:
     return found
 
 
-def run(*cmd: str, cwd: Path = ROOT, timeout: float = 300, env: dict[str, str] | None = None) -> str:
+def run(*cmd: str, cwd: Path = REPO, timeout: float = 300, env: dict[str, str] | None = None) -> str:
     """Run a command; fail the test with its output when it exits non-zero."""
     proc = subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     if proc.returncode != 0:
@@ -130,18 +129,6 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = N
     raise TimeoutError(f"{url} did not answer in {timeout}s: {last}")
 
 
-def stop(proc: subprocess.Popen[bytes], grace: float = 10) -> None:
-    """Stop a process we started, by its pid: SIGTERM, then SIGKILL after `grace` seconds."""
-    if proc.poll() is not None:
-        return
-    os.kill(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(5)
-
-
 @dataclass
 class Prometheus:
     """A real Prometheus (Debian's) on a loopback port with a temporary data folder."""
@@ -219,4 +206,4 @@ def start_prometheus(workdir: Path, config: dict[str, Any], rules: dict[str, str
         wait_http(f"{url}/-/ready", 60, proc)
         yield Prometheus(url, proc, log)
     finally:
-        stop(proc)
+        stop_process(proc)

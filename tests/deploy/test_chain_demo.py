@@ -3,8 +3,6 @@ returns data. (The real-engine chain is tests/deploy/test_chain_engine.py.)"""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,31 +12,19 @@ from tests.deploy.grafana import panels_without_data, query_variables, selection
 from tests.deploy.helpers import (
     RULES,
     Prometheus,
-    free_port,
     prometheus_config,
     rule_groups,
     start_prometheus,
-    stop,
-    wait_http,
 )
+from tests.support.sidecar import sidecar
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def demo() -> Iterator[str]:
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kv_exporter", "demo", f"--listen-address={address}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_http(f"http://{address}/healthz", 30, proc)
-        yield address
-    finally:
-        stop(proc)
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with sidecar(tmp_path_factory.mktemp("demo"), command="demo") as running:
+        yield running.address
 
 
 @pytest.fixture(scope="module")

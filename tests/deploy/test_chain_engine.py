@@ -10,12 +10,9 @@ the shipped one.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,15 +23,14 @@ from tests.deploy.grafana import panels_without_data
 from tests.deploy.helpers import (
     RULES,
     Prometheus,
-    free_port,
     prometheus_config,
     start_prometheus,
-    stop,
-    wait_http,
 )
 from tests.engine.server import MAX_NUM_SEQS, SERVED_NAME, VLLM_PYTHON, Server, start_server
 from tests.engine.tinymodel import build_model
 from tests.loadgen import LoadGenerator
+from tests.support.constants import GIB
+from tests.support.sidecar import Sidecar, start_sidecar, stop_process
 
 pytestmark = [
     pytest.mark.e2e,
@@ -43,7 +39,6 @@ pytestmark = [
 ]
 
 ALERT = "ModelLocalKVProjectedPeakAboveGPUMemory"
-GIB = 1 << 30
 LOAD_S = 8.0
 LOAD_CONCURRENCY = 8
 LOAD_TOKENS = 200
@@ -76,28 +71,6 @@ def scaling_ceiling(manifests: list[Manifest]) -> int:
     )
 
 
-def start_sidecar(name: str, server: Server, simulate: str, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    address = f"127.0.0.1:{free_port()}"
-    log = (workdir / f"sidecar-{name}.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kv_exporter",
-            "serve",
-            f"--manifest-dir={server.manifest_dir}",
-            f"--engine-url={server.url('/metrics')}",
-            f"--simulate-gpu={simulate}",
-            f"--listen-address={address}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
-    wait_http(f"http://{address}/healthz", 30, proc)
-    return proc, address
-
-
 def rules_with_immediate_alert() -> str:
     rules = yaml.safe_load(RULES.read_text())
     for group in rules["groups"]:
@@ -125,7 +98,7 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
     workdir = tmp_path_factory.mktemp("chain")
     model = build_model(tmp_path_factory.mktemp("chain-model"))
     server = start_server(workdir / "engine", model, args=["--shutdown-timeout", "10"])
-    processes: list[subprocess.Popen[bytes]] = []
+    sidecars: list[Sidecar] = []
     try:
         server.wait_ready()
         manifests = final_manifests(server)
@@ -136,12 +109,11 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
         # tight: idle, the projected peak is used + the whole scaling ceiling, half a ceiling above total.
         tight_total = 4 * GIB
         sims = {"roomy": f"{80 * GIB}:{1 * GIB}", "tight": f"{tight_total}:{tight_total - ceiling // 2}"}
-        sidecars = {}
-        for name, simulate in sims.items():
-            proc, address = start_sidecar(name, server, simulate, workdir)
-            processes.append(proc)
-            sidecars[name] = address
-        config = prometheus_config(list(sidecars.values()))
+        for simulate in sims.values():
+            args = (f"--manifest-dir={server.manifest_dir}", f"--engine-url={server.url('/metrics')}")
+            sidecars.append(start_sidecar(workdir, *args, f"--simulate-gpu={simulate}"))
+        addresses = {name: sc.address for name, sc in zip(sims, sidecars, strict=True)}
+        config = prometheus_config(list(addresses.values()))
         rules = {RULES.name: rules_with_immediate_alert()}
         with start_prometheus(workdir / "prometheus", config, rules) as prometheus:
             prometheus.wait_for('up{job="kv-exporter"} == 1', 30)
@@ -150,10 +122,10 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
             run_load(server)
             load_finished = time.time()
             time.sleep(3)  # a few idle scrapes after the load
-            yield Chain(server, manifests, sidecars, prometheus, load_started, load_finished)
+            yield Chain(server, manifests, addresses, prometheus, load_started, load_finished)
     finally:
-        for proc in processes:
-            stop(proc)
+        for sc in sidecars:
+            stop_process(sc.process)
         server.stop()
 
 

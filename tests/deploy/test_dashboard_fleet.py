@@ -15,6 +15,7 @@ import pytest
 
 from kv_exporter.manifest import write_manifest
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS, ReferenceModel
+from kv_exporter.sidecar.simulated_engine import SimulatedEngine
 from tests.deploy.grafana import (
     FILTER_VARIABLES,
     SELECTOR,
@@ -31,7 +32,9 @@ from tests.deploy.helpers import (
     prometheus_config,
     start_prometheus,
 )
-from tests.reliability.sidecar import Sidecar, live_manifest, sidecar, switchable_engine
+from tests.support.manifests import live_manifest
+from tests.support.pages import vllm_page_with
+from tests.support.sidecar import Sidecar, sidecar
 
 pytestmark = pytest.mark.e2e
 
@@ -55,7 +58,7 @@ def start_host(stack: contextlib.ExitStack, workdir: Path, host: str) -> Sidecar
     write_manifest(folder, live_manifest(model, max_num_seqs=max_num_seqs))
     # A broken file beside it: the manifest-error panel gets data on each host.
     (folder / "broken-by-test.json").write_text('{"schema_version": 1, "truncated": ')
-    engine = stack.enter_context(switchable_engine(running, model.model_name))
+    engine = stack.enter_context(SimulatedEngine(vllm_page_with(running, model.model_name)))
     args = ("--manifest-dir", str(folder), "--engine-url", engine.url, "--simulate-gpu", gpu)
     return stack.enter_context(sidecar(workdir, *args))
 

@@ -20,10 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.helpers import ROOT, free_port, run, stop, tool, wait_http
+from tests.deploy.helpers import run, tool, wait_http
+from tests.support.constants import REPO
+from tests.support.net import free_port
+from tests.support.sidecar import stop_process
 
-DOCKERFILE = ROOT / "Dockerfile"
-DOCKERIGNORE = ROOT / ".dockerignore"
+DOCKERFILE = REPO / "Dockerfile"
+DOCKERIGNORE = REPO / ".dockerignore"
 
 
 @dataclass
@@ -74,7 +77,7 @@ def test_hadolint() -> None:
 
 
 def test_shell_scripts_pass_shellcheck() -> None:
-    scripts = [*sorted((ROOT / "deploy/docker").glob("*.sh")), ROOT / "scripts/ensure-system-deps.sh"]
+    scripts = [*sorted((REPO / "deploy/docker").glob("*.sh")), REPO / "scripts/ensure-system-deps.sh"]
     run(tool("shellcheck"), *map(str, scripts))
 
 
@@ -126,7 +129,7 @@ def copy_sources() -> list[tuple[str, str]]:
 
 def test_dockerignore_admits_what_copy_needs_and_nothing_heavy() -> None:
     for source, _ in copy_sources():
-        assert (ROOT / source).exists(), f"COPY source {source} missing"
+        assert (REPO / source).exists(), f"COPY source {source} missing"
         assert dockerignore_allows(source), f".dockerignore excludes COPY source {source}"
     for heavy in (".venv", ".venv-vllm", "tests", ".git", "kv_exporter/__pycache__"):
         assert not dockerignore_allows(heavy), f".dockerignore lets {heavy} into the build context"
@@ -140,7 +143,7 @@ def lay_out_build_context(stage: Stage, root: Path) -> Path:
         target_dir = root / (dest.lstrip("/") if dest.startswith("/") else f"{workdir.lstrip('/')}/{dest}")
         target_dir.mkdir(parents=True, exist_ok=True)
         for source in sources:
-            path = ROOT / source
+            path = REPO / source
             if path.is_dir():
                 shutil.copytree(path, target_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
             else:
@@ -184,7 +187,7 @@ def healthcheck_argv(prefix: Path) -> list[str]:
     (line,) = STAGES["sidecar"].all("HEALTHCHECK")
     argv: list[str] = json.loads(line[line.index("CMD") + 3 :].strip())
     mapped = {"/opt/kv-exporter/bin/python": str(prefix / "bin/python")}
-    copies = {dest: ROOT / src for src, dest in copy_sources() if dest.startswith("/opt/kv-exporter/")}
+    copies = {dest: REPO / src for src, dest in copy_sources() if dest.startswith("/opt/kv-exporter/")}
     return [mapped.get(a) or str(copies.get(a, a)) for a in argv]
 
 
@@ -212,7 +215,7 @@ def test_healthcheck_against_the_installed_sidecar(installed: tuple[Path, Path],
         wait_http(f"http://127.0.0.1:{port}/healthz", 30, proc)
         assert subprocess.run(argv, env=env, capture_output=True, check=False).returncode == 0
     finally:
-        stop(proc)
+        stop_process(proc)
 
 
 def test_plugin_install_step(installed: tuple[Path, Path], tmp_path: Path) -> None:
@@ -225,7 +228,7 @@ def test_plugin_install_step(installed: tuple[Path, Path], tmp_path: Path) -> No
     (root / "usr/local/bin").mkdir(parents=True)
     for source, dest in copy_sources():
         if source.endswith("install-plugin.sh"):
-            shutil.copy2(ROOT / source, root / dest.lstrip("/") / Path(source).name)
+            shutil.copy2(REPO / source, root / dest.lstrip("/") / Path(source).name)
     env = {**os.environ, "PYTHON": str(venv / "bin/python"), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     (run_line,) = stage.all("RUN")
     run_step(run_line, root, {"/tmp/kv-exporter-wheels": wheels}, env)

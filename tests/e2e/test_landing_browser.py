@@ -26,20 +26,20 @@ from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
 from kv_exporter.sidecar.http import build_server, serve_in_thread
+from kv_exporter.sidecar.simulated_engine import SimulatedEngine
 from kv_exporter.sidecar.thresholds import HEADROOM_ALERT_FRACTION, HeadroomState, headroom_state
 from kv_exporter.sidecar.units import human_bytes
-from tests.openai_server import free_port
-from tests.unit.fake_engine import fake_engine, vllm_page_with
-from tests.unit.manifests import reference_manifest
-from tests.unit.test_nvml import FakeBinding, FakeDevice
+from tests.support.constants import GIB, MIB
+from tests.support.fake_nvml import FakeBinding, FakeDevice
+from tests.support.manifests import reference_manifest
+from tests.support.net import free_port
+from tests.support.pages import vllm_page_with
 
 pytestmark = pytest.mark.e2e
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 WIDTH = 1280
-GIB = 1 << 30
-MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def exporter(workdir: Path, gpus: list[Gpu]) -> Iterator[str]:
         for index, gpu in enumerate(gpus):
             manifest = reference_manifest(gpu.model, max_num_seqs=gpu.max_num_seqs, gpu=index)
             write_manifest(folder, replace(manifest, observation=gpu.observation()))
-            engine = stack.enter_context(fake_engine(vllm_page_with(gpu.running, gpu.model.model_name)))
+            engine = stack.enter_context(SimulatedEngine(vllm_page_with(gpu.running, gpu.model.model_name)))
             targets.append(EngineTarget.parse(engine.url))
         # Another pid namespace than the manifests' recorded one: liveness by incarnation (no /proc check).
         collection = Collection(

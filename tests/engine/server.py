@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.openai_server import OpenAIServer, free_port
+from tests.openai_server import OpenAIServer
+from tests.support.constants import REPO
+from tests.support.net import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_VENV = ROOT / ".venv-vllm"
+VLLM_VENV = REPO / ".venv-vllm"
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 SERVED_NAME = "kvx-tiny"
 MAX_NUM_SEQS = 8

@@ -24,11 +24,12 @@ import pytest
 import kv_exporter
 from kv_exporter.manifest import Manifest, manifest_filename, parse_manifest, read_manifest
 from tests.engine.conftest import ServerFactory
-from tests.engine.server import MAX_NUM_SEQS, ROOT, SERVED_NAME, Server
+from tests.engine.server import MAX_NUM_SEQS, SERVED_NAME, Server
 from tests.engine.testplugin.kvx_testplugin import geometry as g
 from tests.openai_server import parent_pid
+from tests.support.constants import REPO
 
-FIXTURE = ROOT / "tests" / "fixtures" / "vllm-0.32-metrics.txt"
+FIXTURE = REPO / "tests" / "fixtures" / "vllm-0.32-metrics.txt"
 UPDATE_FIXTURES_ENV = "KV_EXPORTER_UPDATE_FIXTURES"
 LOAD_LINE = "kv-exporter [load]"
 WARMUP_LINE = "kv-exporter [warmup]"

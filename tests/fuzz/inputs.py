@@ -14,7 +14,7 @@ from typing import Any
 from kv_exporter.manifest import ManifestError, parse_manifest
 from kv_exporter.reference import REFERENCE_MODELS
 from kv_exporter.sidecar.engine_page import EnginePageError, scan_page
-from tests.unit.manifests import reference_manifest
+from tests.support.manifests import reference_manifest
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ENGINE_PAGE_FIXTURES = tuple(sorted(FIXTURES.glob("*-metrics.txt")))

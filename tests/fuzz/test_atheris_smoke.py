@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests.fuzz.seed_corpus import write_seeds
+from tests.support.constants import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
-FUZZ_PY = ROOT / ".venv-fuzz" / "bin" / "python"
+FUZZ_PY = REPO / ".venv-fuzz" / "bin" / "python"
 RUNS = 2000
 TIMEOUT_S = 300
 
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def run_fuzzer(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def run_fuzzer(args: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [str(FUZZ_PY), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
     )

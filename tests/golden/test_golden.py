@@ -14,26 +14,23 @@ import re
 import shutil
 import subprocess
 import time
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from kv_exporter.gpu import HOST_PID_NAMESPACE, SimulatedGpu
+from kv_exporter.gpu import HOST_PID_NAMESPACE
 from kv_exporter.manifest import PodInfo, manifest_filename, write_manifest
 from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
-from kv_exporter.sidecar.app import ExporterApp
-from kv_exporter.sidecar.collection import Collection, CollectionSettings
-from kv_exporter.sidecar.engine_page import EngineTarget
-from kv_exporter.sidecar.http import build_server, serve_in_thread
-from tests.unit.fake_engine import OMNI_MODEL, OMNI_PAGE, VLLM_MODEL, VLLM_PAGE, closed_port_url, fake_engine
-from tests.unit.manifests import reference_manifest
+from kv_exporter.sidecar.simulated_engine import SimulatedEngine
+from tests.support.constants import GIB, QWEN_ROW, UUID0
+from tests.support.exporter import exporter, simulated_gpu
+from tests.support.manifests import reference_manifest
+from tests.support.net import closed_port_url
+from tests.support.pages import OMNI_MODEL, OMNI_PAGE, VLLM_MODEL, VLLM_PAGE
 
 GOLDEN = Path(__file__).resolve().parent
-GIB = 1 << 30
-UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
 SIDECAR_NS = "pid:[4026532000]"  # not the manifests' namespace: liveness by the newest-incarnation rule
 
 
@@ -75,27 +72,10 @@ def write_inputs(folder: Path, served_model: str) -> None:
 
 
 def scrape(folder: Path, page: bytes) -> str:
-    gpu = SimulatedGpu(
-        total=80 * GIB,
-        used=60 * GIB,
-        uuid=UUID0,
-        processes={4242: 21 * GIB, 4300: 9 * GIB, 999: GIB},
-        pid_namespace=HOST_PID_NAMESPACE,
-    )
+    gpu = simulated_gpu(processes={4242: 21 * GIB, 4300: 9 * GIB, 999: GIB}, pid_namespace=HOST_PID_NAMESPACE)
     down = closed_port_url()
-    with fake_engine(page) as engine:
-        targets = (EngineTarget.parse(engine.url), EngineTarget.parse(down))
-        collection = Collection(CollectionSettings(str(folder), targets), gpu, our_namespace=SIDECAR_NS)
-        server = build_server("127.0.0.1:0", ExporterApp(collection))
-        thread = serve_in_thread(server)
-        try:
-            url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
-            text = urllib.request.urlopen(url, timeout=20).read().decode()
-        finally:
-            server.shutdown()
-            server.server_close()
-            collection.close()
-            thread.join(5)
+    with SimulatedEngine(page) as engine, exporter(folder, [engine.url, down], gpu, our_namespace=SIDECAR_NS) as e:
+        text = e.text()
     text = text.replace(engine.url, "http://127.0.0.1:ENGINE/metrics")
     text = text.replace(down, "http://127.0.0.1:DOWN/metrics")
     text = re.sub(r"(?m)^(model_local_kv_observation_age_seconds\{.*\}) \S+$", r"\1 AGE", text)
@@ -122,10 +102,9 @@ def test_golden_exposition(tmp_path: Path, golden: str, page: Path, model: str) 
 def test_golden_figures_by_hand() -> None:
     """The reviewed numbers in the vLLM golden, recomputed here from first principles."""
     text = (GOLDEN / "vllm-0.32.prom").read_text()
-    row = 4_653_056
     # kvx-tiny runs 0 on the recorded page: two max_num_seqs-driven Qwen3-TTS entries, 256 rows still to
     # come; MiMo-Audio's engine is on no page: 64 rows still to come, at 720,896 B; fixed rows add nothing.
-    projected = 60 * GIB + 2 * 256 * row + 64 * 720_896
+    projected = 60 * GIB + 2 * 256 * QWEN_ROW + 64 * 720_896
     assert f'model_local_kv_gpu_projected_peak_bytes{{UUID="{UUID0}",gpu="0",source="simulated"}} ' in text
     value = re.search(r"model_local_kv_gpu_projected_peak_bytes\{[^}]*\} (\S+)", text)
     assert value and float(value.group(1)) == projected

@@ -11,12 +11,12 @@ from tests.omni.omni_server import (
     NO_OMNI_ENV,
     OMNI_STAMP,
     OmniServer,
-    Sidecar,
     build_model,
     start_server,
-    start_sidecar,
 )
 from tests.openai_server import mark_real_engine_tests
+from tests.support.sidecar import Sidecar
+from tests.support.sidecar import sidecar as sidecar_process
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -38,8 +38,7 @@ def omni(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OmniServer]:
 
 @pytest.fixture(scope="module")
 def sidecar(omni: OmniServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sidecar]:
-    exporter = start_sidecar(tmp_path_factory.mktemp("sidecar"), omni.manifest_dir, omni.url("/metrics"))
-    try:
-        yield exporter
-    finally:
-        exporter.stop()
+    """`kv-exporter serve` from this (torch-free) venv, reading the server's manifests and page."""
+    args = ("--manifest-dir", str(omni.manifest_dir), "--engine-url", omni.url("/metrics"), "--no-nvml")
+    with sidecar_process(tmp_path_factory.mktemp("sidecar"), *args) as running:
+        yield running

@@ -14,20 +14,19 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tests.loadgen import LoadGenerator
-from tests.openai_server import OpenAIServer, alive, free_port, stat_fields
+from tests.openai_server import OpenAIServer, alive, stat_fields
+from tests.support.constants import REPO
+from tests.support.net import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
-OMNI_VENV = ROOT / ".venv-omni"
+OMNI_VENV = REPO / ".venv-omni"
 OMNI_PYTHON = OMNI_VENV / "bin" / "python"
 OMNI_CLI = OMNI_VENV / "bin" / "vllm-omni"
 OMNI_STAMP = OMNI_VENV / ".installed"  # written last by scripts/ensure-omni-env.sh
@@ -175,53 +174,6 @@ def start_server(workdir: Path, model_dir: Path, manifest_dir: Path) -> OmniServ
             command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
     return OmniServer(model_dir, port, proc, log_path, manifest_dir, report_dir, time.monotonic())
-
-
-@dataclass
-class Sidecar:
-    """`kv-exporter serve` from this (torch-free) venv, reading the server's manifests and page."""
-
-    proc: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-    killed: list[int] | None = None
-
-    def url(self, path: str = "/metrics") -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def scrape(self) -> str:
-        with urllib.request.urlopen(self.url(), timeout=30) as response:
-            return str(response.read().decode())
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kv-exporter exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
-            with contextlib.suppress(OSError):
-                self.scrape()
-                return
-            time.sleep(0.3)
-        raise TimeoutError(f"kv-exporter not answering after {timeout:.0f} s:\n{self.log_path.read_text()}")
-
-    def stop(self) -> list[int]:
-        if self.killed is None:
-            self.killed = _stop_tree(self.proc, descendants(self.proc.pid), 20.0)
-        return self.killed
-
-
-def start_sidecar(workdir: Path, manifest_dir: Path, engine_url: str) -> Sidecar:
-    port = free_port()
-    command = [
-        sys.executable, "-m", "kv_exporter", "serve", "--manifest-dir", str(manifest_dir),
-        "--engine-url", engine_url, "--no-nvml", "--listen-address", f"127.0.0.1:{port}",
-    ]  # fmt: skip
-    log_path = workdir / "kv-exporter.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    sidecar = Sidecar(proc, port, log_path)
-    sidecar.wait_ready()
-    return sidecar
 
 
 def load_generator(server: OmniServer, clients: int, max_tokens: int) -> LoadGenerator:

@@ -19,7 +19,6 @@ from tests.omni.omni_server import (
     MAX_NUM_SEQS,
     REPLICAS,
     OmniServer,
-    Sidecar,
     burst,
     load_generator,
     process_environ,
@@ -27,6 +26,7 @@ from tests.omni.omni_server import (
 )
 from tests.omni.plugin_pkg.kvx_omni_testplugin import tiny_model
 from tests.openai_server import alive, parent_pid
+from tests.support.sidecar import Sidecar
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -181,7 +181,7 @@ def test_sidecar_reads_both_gauges_and_the_estimate_follows_the_running_count(
     window_row = row_bytes(tiny_model.WINDOW_POSITIONS)
     static_row = row_bytes(tiny_model.STATIC_CAPACITY)
 
-    idle = sidecar_readings(sidecar.scrape(), omni.model_name)
+    idle = sidecar_readings(sidecar.text(), omni.model_name)
     assert sorted(idle) == sorted(manifests)
     for reading in idle.values():
         assert reading == EngineReading(running=0, window_estimate=0, static_estimate=static_row)
@@ -192,7 +192,7 @@ def test_sidecar_reads_both_gauges_and_the_estimate_follows_the_running_count(
     try:
         started = time.monotonic()
         while time.monotonic() - started < MAX_LOAD_S:
-            samples.append(sidecar_readings(sidecar.scrape(), omni.model_name))
+            samples.append(sidecar_readings(sidecar.text(), omni.model_name))
             concurrent = any((r.running or 0) >= 2 for sample in samples for r in sample.values())
             if concurrent and time.monotonic() - started >= MIN_LOAD_S:
                 break
@@ -225,7 +225,7 @@ def test_stale_high_per_stage_gauge_reads_zero_once_the_pipeline_is_idle(omni: O
         stage = page_series(page, STAGE_SERIES)
         pipeline = page_series(page, PIPELINE_SERIES)
         assert list(pipeline.values()) == [0.0], pipeline
-        for reading in sidecar_readings(sidecar.scrape(), omni.model_name).values():
+        for reading in sidecar_readings(sidecar.text(), omni.model_name).values():
             assert (reading.running, reading.window_estimate) == (0, 0)
         if any(value > 0 for value in stage.values()):
             stale_seen = True
@@ -243,5 +243,5 @@ def test_every_process_stops_by_pid(omni: OmniServer, sidecar: Sidecar) -> None:
     killed = omni.stop()
     sidecar.stop()
     assert not [pid for pid in tree if alive(pid)]
-    assert not alive(sidecar.proc.pid)
+    assert not alive(sidecar.pid)
     assert killed == [], f"needed SIGKILL after SIGTERM: {killed}"

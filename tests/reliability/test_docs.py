@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.reliability.sidecar import REPO
+from tests.support.constants import REPO
 
 DOC = REPO / "docs" / "reliability.md"
 REF = re.compile(r"`(?P<path>[\w/.-]+\.py)?(?P<names>(?:::\w+)+)(?:\[(?P<id>[^\]]+)\])?`")

@@ -10,18 +10,12 @@ from pathlib import Path
 import pytest
 
 from kv_exporter.manifest import Manifest, write_manifest
-from tests.reliability.sidecar import (
-    MODEL,
-    SIMULATED_GPU,
-    SIMULATED_USED,
-    Sidecar,
-    ceiling_bytes,
-    estimated_bytes,
-    live_manifest,
-    sidecar,
-    switchable_engine,
-)
-from tests.unit.test_server import Samples, absent, pick
+from kv_exporter.sidecar.simulated_engine import SimulatedEngine
+from tests.support.constants import GPU_USED, SIMULATE_GPU
+from tests.support.manifests import MODEL, ceiling_bytes, estimated_bytes, live_manifest
+from tests.support.pages import vllm_page_with
+from tests.support.scrape import Samples, absent, pick, total
+from tests.support.sidecar import Sidecar, sidecar
 
 ENGINE_TIMEOUT_S = 1.0
 RUNNING = 17
@@ -45,8 +39,8 @@ def assert_engine_read(s: Samples, manifest: Manifest, url: str) -> None:
     assert pick(s, "model_local_kv_engine_page_up", target=url) == 1
     assert pick(s, "model_local_kv_running_sequences", model_name=MODEL) == RUNNING
     estimate = estimated_bytes(manifest, RUNNING)
-    assert sum(v for (n, _), v in s.items() if n == "model_local_kv_estimated_bytes") == estimate
-    assert pick(s, "model_local_kv_gpu_projected_peak_bytes") == SIMULATED_USED + ceiling_bytes(manifest) - estimate
+    assert total(s, "model_local_kv_estimated_bytes") == estimate
+    assert pick(s, "model_local_kv_gpu_projected_peak_bytes") == GPU_USED + ceiling_bytes(manifest) - estimate
 
 
 def assert_engine_down(s: Samples, manifest: Manifest, url: str, reason: str, count: int) -> None:
@@ -56,7 +50,7 @@ def assert_engine_down(s: Samples, manifest: Manifest, url: str, reason: str, co
     assert absent(s, "model_local_kv_running_sequences")
     # Every max_num_seqs row counts as still to come: the projected peak is an upper bound.
     fallback = estimated_bytes(manifest, None)
-    assert pick(s, "model_local_kv_gpu_projected_peak_bytes") == SIMULATED_USED + ceiling_bytes(manifest) - fallback
+    assert pick(s, "model_local_kv_gpu_projected_peak_bytes") == GPU_USED + ceiling_bytes(manifest) - fallback
     assert pick(s, "model_local_kv_manifests", state="live") == 1
 
 
@@ -70,8 +64,11 @@ def timed_samples(sc: Sidecar) -> tuple[Samples, float]:
 def test_engine_fault_then_recovery(tmp_path: Path, mode: str) -> None:
     manifest = live_manifest(max_num_seqs=256)
     write_manifest(tmp_path / "m", manifest)
-    args = ("--manifest-dir", str(tmp_path / "m"), "--engine-timeout", str(ENGINE_TIMEOUT_S), *SIMULATED_GPU)
-    with switchable_engine(RUNNING) as engine, sidecar(tmp_path, *args, "--engine-url", engine.url) as sc:
+    args = ("--manifest-dir", str(tmp_path / "m"), "--engine-timeout", str(ENGINE_TIMEOUT_S), *SIMULATE_GPU)
+    with (
+        SimulatedEngine(vllm_page_with(RUNNING, MODEL)) as engine,
+        sidecar(tmp_path, *args, "--engine-url", engine.url) as sc,
+    ):
         assert_engine_read(sc.samples(), manifest, engine.url)
         engine.set(mode)
         rss_kib = []

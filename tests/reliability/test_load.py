@@ -15,7 +15,11 @@ from pathlib import Path
 
 from kv_exporter.manifest import write_manifest
 from kv_exporter.reference import MIMO_AUDIO, REFERENCE_MODELS
-from tests.reliability.sidecar import SIMULATED_GPU, Sidecar, live_manifest, sidecar, switchable_engine
+from kv_exporter.sidecar.simulated_engine import SimulatedEngine
+from tests.support.constants import SIMULATE_GPU
+from tests.support.manifests import MODEL, live_manifest
+from tests.support.pages import vllm_page_with
+from tests.support.sidecar import Sidecar, sidecar
 
 SCRAPERS = 50
 SECONDS = float(os.environ.get("KVX_LOAD_SECONDS", "60"))
@@ -72,8 +76,11 @@ def test_fifty_scrapers_for_a_minute(tmp_path: Path) -> None:
     folder = tmp_path / "m"
     for model in REFERENCE_MODELS:
         write_manifest(folder, live_manifest(model))
-    with switchable_engine(17) as qwen, switchable_engine(3, MIMO_AUDIO.model_name) as mimo:
-        args = ("--manifest-dir", str(folder), "--engine-url", qwen.url, "--engine-url", mimo.url, *SIMULATED_GPU)
+    with (
+        SimulatedEngine(vllm_page_with(17, MODEL)) as qwen,
+        SimulatedEngine(vllm_page_with(3, MIMO_AUDIO.model_name)) as mimo,
+    ):
+        args = ("--manifest-dir", str(folder), "--engine-url", qwen.url, "--engine-url", mimo.url, *SIMULATE_GPU)
         with sidecar(tmp_path, *args) as sc:
             idle_kib = sc.rss_kib()
             warm = run_scrapers(sc, WARM_UP_S)

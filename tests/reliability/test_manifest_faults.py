@@ -13,41 +13,30 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kv_exporter.manifest import Manifest, manifest_filename, write_manifest
-from tests.reliability.sidecar import (
-    MODEL,
-    SIMULATED_GPU,
-    SIMULATED_USED,
-    Sidecar,
-    ceiling_bytes,
-    live_manifest,
-    sidecar,
-)
-from tests.unit.test_server import Samples, absent, pick
+from tests.support.constants import GPU_USED, SIMULATE_GPU
+from tests.support.manifests import MODEL, ceiling_bytes, live_manifest
+from tests.support.scrape import Samples, absent, manifest_states, pick, total
+from tests.support.sidecar import Sidecar, sidecar
 
 SCRAPES = 3
 
 
-def states(s: Samples) -> tuple[float, ...]:
-    return tuple(pick(s, "model_local_kv_manifests", state=x) for x in ("live", "stale", "invalid"))
-
-
 def assert_declared(s: Samples, manifest: Manifest) -> None:
-    assert states(s) == (1, 0, 0)
+    assert manifest_states(s) == (1, 0, 0)
     assert pick(s, "model_local_kv_max_num_seqs", model_name=MODEL) == manifest.max_num_seqs
-    ceiling = sum(v for (n, _), v in s.items() if n == "model_local_kv_ceiling_bytes")
-    assert ceiling == ceiling_bytes(manifest)
+    assert total(s, "model_local_kv_ceiling_bytes") == ceiling_bytes(manifest)
 
 
 def assert_folder_unreadable(s: Samples, outages: int) -> None:
-    assert states(s) == (0, 0, 0)
+    assert manifest_states(s) == (0, 0, 0)
     assert pick(s, "model_local_kv_manifest_errors_total", reason="folder_unreadable") == outages
     assert absent(s, "model_local_kv_ceiling_bytes")
     # Nothing declared is known: the projection is NVML's used figure alone (see docs/reliability.md).
-    assert pick(s, "model_local_kv_gpu_projected_peak_bytes") == SIMULATED_USED
+    assert pick(s, "model_local_kv_gpu_projected_peak_bytes") == GPU_USED
 
 
 def serve_args(folder: Path) -> tuple[str, ...]:
-    return ("--manifest-dir", str(folder), *SIMULATED_GPU)
+    return ("--manifest-dir", str(folder), *SIMULATE_GPU)
 
 
 def test_folder_missing_at_start_then_created(tmp_path: Path) -> None:
@@ -113,7 +102,7 @@ def test_manifest_without_permission_is_read_once_readable(tmp_path: Path) -> No
     with sidecar(tmp_path, *serve_args(folder), permission_bits=True) as sc:
         for _ in range(SCRAPES):
             s = sc.samples()
-            assert states(s) == (0, 0, 1)
+            assert manifest_states(s) == (0, 0, 1)
             assert pick(s, "model_local_kv_manifest_errors_total", reason="unreadable") == 1
         path.chmod(0o644)  # only the inode's change time moves: no new size, mtime or inode
         assert_declared(sc.samples(), manifest)
@@ -163,7 +152,7 @@ def scrape_max_num_seqs(sc: Sidecar, count: int, until: Callable[[], bool] = lam
     values: list[float] = []
     while len(values) < count or (not until() and len(values) < 100 * count):
         s = sc.samples()
-        assert states(s) == (1, 0, 0)
+        assert manifest_states(s) == (1, 0, 0)
         assert absent(s, "model_local_kv_manifest_errors_total")
         values.append(pick(s, "model_local_kv_max_num_seqs", model_name=MODEL))
     return values
@@ -191,7 +180,7 @@ def test_rewritten_in_place_while_being_read(tmp_path: Path) -> None:
         writer.start()
         while writer.is_alive():
             s = sc.samples()
-            live, _, invalid = states(s)
+            live, _, invalid = manifest_states(s)
             assert (live, invalid) in ((1, 0), (0, 1)), (live, invalid)
             if live:
                 assert pick(s, "model_local_kv_max_num_seqs", model_name=MODEL) in (old.max_num_seqs, 128)

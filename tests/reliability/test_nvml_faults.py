@@ -11,23 +11,22 @@ import pynvml
 from kv_exporter.gpu import NvmlReader
 from kv_exporter.manifest import write_manifest
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS
-from tests.reliability.sidecar import MODEL, live_manifest, sidecar, switchable_engine
-from tests.unit.manifests import reference_manifest
-from tests.unit.test_nvml import FakeBinding, FakeDevice
-from tests.unit.test_server import Exporter, Samples, absent, exporter, pick
+from kv_exporter.sidecar.simulated_engine import SimulatedEngine
+from tests.support.constants import GIB, gpu_uuid
+from tests.support.exporter import Exporter, exporter
+from tests.support.fake_nvml import FakeBinding, FakeDevice
+from tests.support.manifests import MODEL, live_manifest, reference_manifest
+from tests.support.pages import vllm_page_with
+from tests.support.scrape import Samples, absent, declared_models, pick
+from tests.support.sidecar import sidecar, with_prelude
 
-GIB = 1 << 30
 QWEN_PID, MIMO_PID = 4242, 4300  # the reference manifests' pids (host pid namespace, as NVML reports them)
-
-
-def uuid(index: int) -> str:
-    return f"GPU-{index:08d}-0000-0000-0000-000000000000"  # as tests.unit.manifests records GPU `index`
 
 
 def devices() -> list[FakeDevice]:
     return [
-        FakeDevice(uuid(0), "NVIDIA H100 80GB HBM3", 80 * GIB, 60 * GIB, [(QWEN_PID, 21 * GIB)]),
-        FakeDevice(uuid(1), "NVIDIA H100 80GB HBM3", 80 * GIB, 30 * GIB, [(MIMO_PID, 9 * GIB)]),
+        FakeDevice(gpu_uuid(0), "NVIDIA H100 80GB HBM3", 80 * GIB, 60 * GIB, [(QWEN_PID, 21 * GIB)]),
+        FakeDevice(gpu_uuid(1), "NVIDIA H100 80GB HBM3", 80 * GIB, 30 * GIB, [(MIMO_PID, 9 * GIB)]),
     ]
 
 
@@ -49,20 +48,18 @@ def gpu_exported(s: Samples, index: int) -> bool:
     return any(n == "model_local_kv_gpu_memory_total_bytes" and ("gpu", str(index)) in ls for n, ls in s)
 
 
-def declarations_exported(s: Samples) -> set[str]:
-    return {dict(ls)["model_name"] for n, ls in s if n == "model_local_kv_ceiling_bytes"}
-
-
 def test_library_missing_for_real(tmp_path: Path) -> None:
     write_manifest(tmp_path / "m", live_manifest())
-    with switchable_engine() as engine, sidecar(tmp_path, "--manifest-dir", str(tmp_path / "m"), "--engine-url",
-                                                 engine.url) as sc:  # fmt: skip
+    with (
+        SimulatedEngine(vllm_page_with(17, MODEL)) as engine,
+        sidecar(tmp_path, "--manifest-dir", str(tmp_path / "m"), "--engine-url", engine.url) as sc,
+    ):
         for count in (1, 2, 3):
             s = sc.samples()
             assert pick(s, "model_local_kv_nvml_up") == 0
             assert pick(s, "model_local_kv_nvml_errors_total", reason="library_not_found") == count
             assert not gpu_exported(s, 0)
-            assert declarations_exported(s) == {MODEL}  # everything but the GPU figures is still there
+            assert declared_models(s) == {MODEL}  # everything but the GPU figures is still there
             assert pick(s, "model_local_kv_engine_up", model_name=MODEL) == 1
         assert sc.stop() == 0
     assert sc.log().count("library_not_found") == 1  # logged once, counted per scrape
@@ -72,12 +69,12 @@ def test_binding_not_installed(tmp_path: Path) -> None:
     write_manifest(tmp_path / "m", live_manifest())
     # None in sys.modules is how Python says "no such module": `import pynvml` raises ImportError.
     args = ("--manifest-dir", str(tmp_path / "m"))
-    with sidecar(tmp_path, *args, prelude="import sys; sys.modules['pynvml'] = None") as sc:
+    with sidecar(tmp_path, *args, entry=with_prelude("import sys; sys.modules['pynvml'] = None")) as sc:
         for count in (1, 2):
             s = sc.samples()
             assert pick(s, "model_local_kv_nvml_up") == 0
             assert pick(s, "model_local_kv_nvml_errors_total", reason="binding_missing") == count
-            assert declarations_exported(s) == {MODEL}
+            assert declared_models(s) == {MODEL}
         assert sc.stop() == 0
 
 
@@ -96,7 +93,7 @@ def test_gpu_lost_mid_run_then_driver_gone_then_back(tmp_path: Path) -> None:
             assert pick(s, "model_local_kv_nvml_errors_total", reason="gpu_is_lost") == count
             assert gpu_exported(s, 0) and not gpu_exported(s, 1)
             assert pick(s, "model_local_kv_gpu_projected_peak_bytes", gpu="0") > 60 * GIB
-            assert declarations_exported(s) == {"Qwen3-TTS", "MiMo-Audio"}  # the lost GPU's declarations stay
+            assert declared_models(s) == {"Qwen3-TTS", "MiMo-Audio"}  # the lost GPU's declarations stay
 
         gpus[0].error = pynvml.NVMLError_DriverNotLoaded  # the whole driver goes away
         s = e.samples()

@@ -14,16 +14,12 @@ from pathlib import Path
 import pytest
 
 from kv_exporter.manifest import write_manifest
-from tests.reliability.sidecar import (
-    MODEL,
-    SIMULATED_GPU,
-    SLOW_S,
-    Sidecar,
-    live_manifest,
-    sidecar,
-    switchable_engine,
-)
-from tests.unit.test_server import parse, pick
+from kv_exporter.sidecar.simulated_engine import SLOW_S, SimulatedEngine
+from tests.support.constants import SIMULATE_GPU
+from tests.support.manifests import MODEL, live_manifest
+from tests.support.pages import vllm_page_with
+from tests.support.scrape import parse, pick
+from tests.support.sidecar import Sidecar, sidecar
 
 ENGINE_TIMEOUT_S = 5.0  # longer than the slow engine takes: the scrape in flight will succeed
 
@@ -42,8 +38,11 @@ def connect(sc: Sidecar) -> http.client.HTTPConnection:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_during_a_scrape_finishes_it_and_exits_0(tmp_path: Path, sig: int) -> None:
     write_manifest(tmp_path / "m", live_manifest())
-    args = ("--manifest-dir", str(tmp_path / "m"), "--engine-timeout", str(ENGINE_TIMEOUT_S), *SIMULATED_GPU)
-    with switchable_engine(running=17) as engine, sidecar(tmp_path, *args, "--engine-url", engine.url) as sc:
+    args = ("--manifest-dir", str(tmp_path / "m"), "--engine-timeout", str(ENGINE_TIMEOUT_S), *SIMULATE_GPU)
+    with (
+        SimulatedEngine(vllm_page_with(17, MODEL)) as engine,
+        sidecar(tmp_path, *args, "--engine-url", engine.url) as sc,
+    ):
         idle = connect(sc)  # a keep-alive connection, idle when the signal comes
         idle.request("GET", "/healthz")
         assert idle.getresponse().read() == b"ok\n"

@@ -3,17 +3,18 @@ while a broken edit is refused (the last good config still serves), 1 again once
 
 from __future__ import annotations
 
-import base64
 import time
 from pathlib import Path
 
 import bcrypt
 
 from kv_exporter.web.reload import RELOAD_CHECK_INTERVAL_S, RELOAD_METRIC
-from tests.reliability.sidecar import REPO, Sidecar, sidecar
-from tests.unit.test_server import absent, pick
+from tests.support.constants import REPO
+from tests.support.net import basic_authorization
+from tests.support.scrape import absent, pick
+from tests.support.sidecar import Sidecar, sidecar
 
-AUTH = {"Authorization": "Basic " + base64.b64encode(b"prom:s3cret").decode()}
+AUTH = {"Authorization": basic_authorization("prom", "s3cret")}
 
 
 def reload_ok(sc: Sidecar) -> float:

@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,45 +20,11 @@ from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS, REFERENCE_MODELS
 from kv_exporter.sidecar.cli import main, parse_simulated_gpu, parse_size
 from kv_exporter.sidecar.units import human_bytes
 from kv_exporter.web.reload import RELOAD_METRIC
-from tests.unit.manifests import reference_manifest
+from tests.support.constants import GIB, REPO
+from tests.support.manifests import reference_manifest
+from tests.support.sidecar import sidecar
 
-REPO = Path(__file__).resolve().parent.parent.parent
 CONTRACTS = REPO / "docs" / "CONTRACTS.md"
-GIB = 1 << 30
-
-
-@contextmanager
-def running(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """Start `python -m kv_exporter ARGS` and yield it with the base URL it announces; stop it by pid."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kv_exporter", *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None
-        url = None
-        deadline = time.monotonic() + 20
-        seen = []
-        while url is None and time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            match = re.search(r"(http://127\.0\.0\.1:\d+)/metrics", line)
-            url = match.group(1) if match else None
-        assert url, "".join(seen)
-        yield process, url
-    finally:
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            os.kill(process.pid, signal.SIGKILL)
-            process.wait(5)
 
 
 def metric_names(text: str) -> set[str]:
@@ -170,19 +131,10 @@ def test_report_unreadable_folder(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_serve_starts_fast_and_small(tmp_path: Path) -> None:
     write_manifest(tmp_path, reference_manifest(QWEN3_TTS))
     started = time.monotonic()
-    with running(
-        "serve",
-        "--manifest-dir",
-        str(tmp_path),
-        "--listen-address",
-        "127.0.0.1:0",
-        "--simulate-gpu",
-        "80GiB:60GiB",
-    ) as (process, url):
-        body = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    with sidecar(tmp_path, "--manifest-dir", str(tmp_path), "--simulate-gpu", "80GiB:60GiB") as sc:
+        body = sc.text()
         first_scrape = time.monotonic() - started
-        status = Path(f"/proc/{process.pid}/status").read_text().splitlines()
-        rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS"))
+        rss_kib = sc.rss_kib()
         modules = subprocess.run(
             [
                 sys.executable,
@@ -193,7 +145,7 @@ def test_serve_starts_fast_and_small(tmp_path: Path) -> None:
             text=True,
             check=True,
         ).stdout
-    assert process.returncode == 0  # SIGTERM is a clean stop
+        assert sc.stop() == 0  # SIGTERM is a clean stop
     assert 'source="simulated"' in body
     assert first_scrape < 1.5, first_scrape  # ~0.15 s measured; generous for a busy shared machine
     assert rss_kib < 40 * 1024, rss_kib
@@ -216,17 +168,17 @@ def test_serve_refuses_a_taken_port(tmp_path: Path) -> None:
     assert "cannot serve" in result.stderr
 
 
-def test_demo_shows_every_contract_metric() -> None:
-    with running("demo", "--listen-address", "127.0.0.1:0") as (process, url):
-        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
-        landing = urllib.request.urlopen(url + "/", timeout=10).read().decode()
+def test_demo_shows_every_contract_metric(tmp_path: Path) -> None:
+    with sidecar(tmp_path, command="demo") as demo:
+        text = demo.text()
+        landing = demo.get("/")[2].decode()
         match = re.search(r"Folder <code>([^<]+)</code>", landing)
         assert match
         folder = Path(match.group(1))
         assert folder.is_dir()
+        assert demo.stop() == 0
     missing = contract_names() - metric_names(text) - {RELOAD_METRIC}  # that one needs --web.config.file
     assert not missing, missing
-    assert process.returncode == 0
     for model in REFERENCE_MODELS:
         assert f'model_name="{model.model_name}"' in text
     # Every GPU series of the demo is labelled as simulated.

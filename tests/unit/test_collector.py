@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kv_exporter.gpu import GpuMemory, SimulatedGpu
+from kv_exporter.gpu import GpuMemory
 from kv_exporter.manifest import Manifest, write_manifest
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
 from kv_exporter.sidecar.collection import Collection, CollectionSettings, SingleFlight
@@ -23,14 +23,12 @@ from kv_exporter.sidecar.families import families
 from kv_exporter.sidecar.inputs import ManifestStore, assess
 from kv_exporter.sidecar.liveness import State
 from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult
+from kv_exporter.sidecar.simulated_engine import SimulatedEngine
 from kv_exporter.sidecar.snapshot import DeclarationView, Snapshot, build_snapshot, manifest_series, safe_max_num_seqs
-from tests.unit.fake_engine import fake_engine, vllm_page_with
-from tests.unit.manifests import reference_manifest
-
-GIB = 1 << 30
-QWEN_ROW = 4_653_056
-OTHER_NS = "pid:[1]"  # a namespace no manifest here is in: liveness falls back to "newest incarnation"
-UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
+from tests.support.constants import GIB, OTHER_NS, QWEN_ROW, UUID0
+from tests.support.exporter import simulated_gpu
+from tests.support.manifests import reference_manifest
+from tests.support.pages import vllm_page_with
 
 
 def gpu0(used: int = 60 * GIB, total: int = 80 * GIB) -> GpuMemory:
@@ -59,9 +57,9 @@ def test_qwen3_tts_at_256_with_17_running() -> None:
     used = 60 * GIB
     snap = snapshot([reference_manifest(QWEN3_TTS, max_num_seqs=256)], [page("Qwen3-TTS", 17)], gpu0(used))
     entry = by_cache(snap, "codec_decoder_request_cache")
-    assert entry.ceiling_bytes == 256 * 4_653_056
+    assert entry.ceiling_bytes == 256 * QWEN_ROW
     assert entry.estimate_rows == 17
-    assert entry.estimate_bytes == 17 * 4_653_056
+    assert entry.estimate_bytes == 17 * QWEN_ROW
     graph_pool = by_cache(snap, "codec_decoder_graph_pool")
     assert graph_pool.ceiling_bytes == graph_pool.estimate_bytes == 31 * QWEN_ROW
     (gpu,) = snap.gpus
@@ -273,8 +271,8 @@ def test_single_flight_propagates_errors_and_recovers() -> None:
 
 def test_collection_end_to_end(tmp_path: Path) -> None:
     write_manifest(tmp_path, reference_manifest(QWEN3_TTS, max_num_seqs=256))
-    gpu = SimulatedGpu(total=80 * GIB, used=60 * GIB, uuid=UUID0)
-    with fake_engine(vllm_page_with(17, "Qwen3-TTS")) as engine:
+    gpu = simulated_gpu()
+    with SimulatedEngine(vllm_page_with(17, "Qwen3-TTS")) as engine:
         settings = CollectionSettings(str(tmp_path), (EngineTarget.parse(engine.url),))
         collection = Collection(settings, gpu, our_namespace=OTHER_NS)
         try:

@@ -9,7 +9,7 @@ from dataclasses import replace
 from kv_exporter.manifest import Manifest, ProcessInfo, current_pid_namespace, process_start_ticks
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS
 from kv_exporter.sidecar.liveness import State, classify
-from tests.unit.manifests import reference_manifest
+from tests.support.manifests import reference_manifest
 
 OURS = current_pid_namespace()
 

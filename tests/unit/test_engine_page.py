@@ -16,15 +16,9 @@ from kv_exporter.sidecar.engine_page import (
     read_engine,
     scan_page,
 )
-from tests.unit.fake_engine import (
-    OMNI_MODEL,
-    OMNI_PAGE,
-    VLLM_MODEL,
-    VLLM_PAGE,
-    closed_port_url,
-    fake_engine,
-    vllm_page_with,
-)
+from kv_exporter.sidecar.simulated_engine import SimulatedEngine
+from tests.support.net import closed_port_url
+from tests.support.pages import OMNI_MODEL, OMNI_PAGE, VLLM_MODEL, VLLM_PAGE, vllm_page_with
 
 GenericKey = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -157,23 +151,26 @@ def test_target_parsing() -> None:
 
 def test_fetch_real_page_over_http() -> None:
     body = VLLM_PAGE.read_bytes()
-    with fake_engine(body) as engine:
+    with SimulatedEngine(body) as engine:
         assert fetch_page(EngineTarget.parse(engine.url)) == body
         assert read_engine(EngineTarget.parse(engine.url)).running == {EngineKey(VLLM_MODEL, 0, 0): 0}
-        assert engine.behaviour.requests == 2
+        assert engine.requests == 2
 
 
 def test_credentials_are_sent_but_never_in_the_target() -> None:
-    with fake_engine(VLLM_PAGE.read_bytes()) as engine:
+    with SimulatedEngine(VLLM_PAGE.read_bytes()) as engine:
         url = engine.url.replace("http://", "http://kv:secret@")
         target = EngineTarget.parse(url)
         read_engine(target)
         assert "secret" not in target.target
-        assert engine.behaviour.authorization == ["Basic a3Y6c2VjcmV0"]
+        assert (engine.requests, engine.authorization) == (1, "Basic a3Y6c2VjcmV0")
 
 
 def test_http_error_status() -> None:
-    with fake_engine(b"oops", status=503) as engine, pytest.raises(EnginePageError, match="http_status"):
+    with (
+        SimulatedEngine(VLLM_PAGE.read_bytes(), fault="status_500") as engine,
+        pytest.raises(EnginePageError, match="http_status"),
+    ):
         fetch_page(EngineTarget.parse(engine.url))
 
 
@@ -184,7 +181,7 @@ def test_engine_down() -> None:
 
 
 def test_slow_engine_times_out() -> None:
-    with fake_engine(VLLM_PAGE.read_bytes(), delay_s=2.0) as engine:
+    with SimulatedEngine(VLLM_PAGE.read_bytes(), fault="slow", delay_s=2.0) as engine:
         started = time.monotonic()
         with pytest.raises(EnginePageError) as info:
             fetch_page(EngineTarget.parse(engine.url), timeout_s=0.3)
@@ -194,7 +191,7 @@ def test_slow_engine_times_out() -> None:
 
 def test_trickling_engine_is_cut_off_at_the_total_deadline() -> None:
     # Each chunk arrives well within the timeout, but the whole page would take ~6 s.
-    with fake_engine(VLLM_PAGE.read_bytes(), trickle_s=0.12, chunk=1000) as engine:
+    with SimulatedEngine(VLLM_PAGE.read_bytes(), fault="trickle") as engine:
         started = time.monotonic()
         with pytest.raises(EnginePageError) as info:
             fetch_page(EngineTarget.parse(engine.url), timeout_s=0.5)
@@ -205,7 +202,7 @@ def test_trickling_engine_is_cut_off_at_the_total_deadline() -> None:
 @pytest.mark.parametrize("send_length", [True, False])
 def test_huge_page_is_refused(send_length: bool) -> None:
     body = VLLM_PAGE.read_bytes() * 40  # ~2 MB
-    with fake_engine(body, send_length=send_length) as engine:
+    with SimulatedEngine(body, fault="ok" if send_length else "no_length") as engine:
         with pytest.raises(EnginePageError) as info:
             fetch_page(EngineTarget.parse(engine.url), max_bytes=len(body) // 2)
         assert info.value.reason == "too_large"

@@ -20,8 +20,9 @@ from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
 from kv_exporter.sidecar.exposition import Exposition, Fixed
 from kv_exporter.sidecar.families import GaugeRows
-from tests.unit.fake_engine import fake_engine, vllm_page_with
-from tests.unit.manifests import reference_manifest
+from kv_exporter.sidecar.simulated_engine import SimulatedEngine
+from tests.support.manifests import reference_manifest
+from tests.support.pages import vllm_page_with
 
 ACCEPTS = (
     "",
@@ -126,7 +127,7 @@ def test_rows_family_samples_are_prometheus_client_samples() -> None:
 
 def test_concurrent_scrapes_share_one_rendering(tmp_path: Path) -> None:
     write_manifest(tmp_path, reference_manifest(QWEN3_TTS))
-    with fake_engine(vllm_page_with(2, "Qwen3-TTS"), delay_s=0.5) as engine:
+    with SimulatedEngine(vllm_page_with(2, "Qwen3-TTS"), fault="slow", delay_s=0.5) as engine:
         settings = CollectionSettings(str(tmp_path), (EngineTarget.parse(engine.url),), fetch_timeout_s=3)
         app = ExporterApp(Collection(settings, None))
         rendered: list[str] = []
@@ -150,7 +151,7 @@ def test_concurrent_scrapes_share_one_rendering(tmp_path: Path) -> None:
         for thread in threads:
             thread.join(10)
         assert len(bodies) == 6 and len(set(bodies)) == 1
-        assert len(rendered) == 1 and engine.behaviour.requests == 1
+        assert len(rendered) == 1 and engine.requests == 1
         plain = app.metrics(None, None)[0]  # another format (no gzip): its own rendering
         assert len(rendered) == 2 and gzip.decompress(bodies[0]).split(b"\n")[:2] == plain.split(b"\n")[:2]
         app.collection.close()

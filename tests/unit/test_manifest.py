@@ -30,7 +30,7 @@ from kv_exporter.manifest import (
 )
 from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation
 from kv_exporter.reference import MINICPM_O, QWEN3_TTS
-from tests.unit.manifests import reference_manifest
+from tests.support.manifests import reference_manifest
 
 SCHEMA = json.loads(schema_path().read_text(encoding="utf-8"))
 

@@ -2,79 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any
-
 import pynvml
 import pytest
 
-from kv_exporter import nvml
-from kv_exporter.gpu import GpuReadError, NvmlReader, SimulatedGpu
-
-GIB = 1 << 30
-
-
-@dataclass
-class FakeDevice:
-    uuid: str
-    name: str
-    total: int
-    used: int
-    processes: list[tuple[int, int | None]] = field(default_factory=list)
-    error: type[pynvml.NVMLError] | None = None  # raised by every per-device call
-
-
-class FakeBinding:
-    """Only the binding is faked: same function names, and it raises pynvml's own error classes."""
-
-    NVMLError = pynvml.NVMLError
-
-    def __init__(self, devices: list[FakeDevice], init_error: type[pynvml.NVMLError] | None = None) -> None:
-        self.devices = devices
-        self.init_error = init_error
-        self.init_calls = 0
-        self.shutdown_calls = 0
-
-    def _raise(self, cls: type[pynvml.NVMLError]) -> None:
-        # The real classes take the NVML return code; find it from the binding's own mapping.
-        code = next(v for v, c in pynvml.NVMLError._valClassMapping.items() if c is cls)
-        raise cls(code)
-
-    def nvmlInit(self) -> None:
-        self.init_calls += 1
-        if self.init_error is not None:
-            self._raise(self.init_error)
-
-    def nvmlShutdown(self) -> None:
-        self.shutdown_calls += 1
-
-    def nvmlDeviceGetCount(self) -> int:
-        return len(self.devices)
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeDevice:
-        if not 0 <= index < len(self.devices):
-            self._raise(pynvml.NVMLError_InvalidArgument)
-        return self.devices[index]
-
-    def _checked(self, handle: FakeDevice) -> FakeDevice:
-        if handle.error is not None:
-            self._raise(handle.error)
-        return handle
-
-    def nvmlDeviceGetUUID(self, handle: FakeDevice) -> str:
-        return self._checked(handle).uuid
-
-    def nvmlDeviceGetName(self, handle: FakeDevice) -> bytes:
-        return self._checked(handle).name.encode()  # older bindings return bytes
-
-    def nvmlDeviceGetMemoryInfo(self, handle: FakeDevice) -> Any:
-        dev = self._checked(handle)
-        return SimpleNamespace(total=dev.total, used=dev.used, free=dev.total - dev.used)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeDevice) -> list[Any]:
-        dev = self._checked(handle)
-        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in dev.processes]
+from kv_exporter.gpu import GpuReader, GpuReadError, NvmlReader, SimulatedGpu, reason_of
+from tests.support.constants import GIB
+from tests.support.fake_nvml import FakeBinding, FakeDevice
 
 
 def two_gpus() -> list[FakeDevice]:
@@ -91,13 +24,6 @@ def test_real_binding_without_gpu_reports_library_not_found() -> None:
     assert info.value.reason == "library_not_found"
     assert info.value.whole_library
     assert isinstance(info.value.__cause__, pynvml.NVMLError_LibraryNotFound)
-
-
-def test_helpers_never_raise_without_gpu() -> None:
-    reader = NvmlReader()
-    assert nvml.device_uuid(0, reader) is None
-    assert nvml.process_used_bytes(0, 1, reader) is None
-    assert nvml.device_uuid(0) is None  # the shared reader, as the hook uses it
 
 
 def test_scan_reads_every_device() -> None:
@@ -160,9 +86,7 @@ def test_process_memory_skips_withheld_figures() -> None:
     reader = NvmlReader(FakeBinding(two_gpus()))
     assert reader.process_memory(0) == {101: 3 * GIB}
     assert reader.process_memory(1) == {}
-    assert nvml.process_used_bytes(0, 101, reader) == 3 * GIB
-    assert nvml.process_used_bytes(0, 102, reader) is None
-    assert nvml.device_uuid(1, reader) == "GPU-bbbb"
+    assert reader.device(1).uuid == "GPU-bbbb"
 
 
 def test_process_memory_not_supported() -> None:
@@ -180,14 +104,14 @@ def test_bad_index_is_a_typed_error() -> None:
 
 
 def test_reason_of_plain_error_code() -> None:
-    assert nvml.reason_of(pynvml.NVMLError(9999)) == "nvml_error_9999"
-    assert nvml.reason_of(pynvml.NVMLError_LibRmVersionMismatch(18)) == "lib_rm_version_mismatch"
+    assert reason_of(pynvml.NVMLError(9999)) == "nvml_error_9999"
+    assert reason_of(pynvml.NVMLError_LibRmVersionMismatch(18)) == "lib_rm_version_mismatch"
 
 
 def test_simulated_device() -> None:
     gpu = SimulatedGpu(total=80 * GIB, used=30 * GIB, processes={7: GIB})
     assert gpu.source == "simulated"
-    assert isinstance(gpu, nvml.GpuReader)
+    assert isinstance(gpu, GpuReader)
     (device,) = gpu.scan().devices
     assert (device.total, device.used, device.free) == (80 * GIB, 30 * GIB, 50 * GIB)
     assert gpu.process_memory(0) == {7: GIB}

@@ -27,15 +27,14 @@ from kv_exporter.sidecar.inputs import ManifestStore, ObservationAccount, assess
 from kv_exporter.sidecar.observed import STALE_AFTER_INTERVALS, STALE_GRACE_S, ObservedState
 from kv_exporter.sidecar.records import GpuResult, PageResult
 from kv_exporter.sidecar.snapshot import Snapshot, build_snapshot
+from tests.support.constants import GIB, OTHER_NS
 
-GIB = 1 << 30
 MODEL = "kvx-observed"
 UUID = "GPU-00000000-0000-0000-0000-0000000000aa"
 NOW = 1_764_480_100.0
 MAX_NUM_SEQS = 8
 ROW = 2 * 2 * 2 * 32 * 16 * 4  # layers x kv_heads x head_dim x positions x float32, K and V: 16,384 B
 UNDECLARED = 3 * ROW
-OTHER_NS = "pid:[1]"  # not the manifests' namespace: liveness by the newest-incarnation rule
 
 
 def spec(name: str, rows: RowDriver, **fixed: object) -> ModelLocalKVSpec:

@@ -5,108 +5,23 @@ from __future__ import annotations
 import gzip
 import threading
 import time
-import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
-from prometheus_client.parser import text_string_to_metric_families
 
-from kv_exporter.gpu import GpuReader, NvmlReader, SimulatedGpu
+from kv_exporter.gpu import NvmlReader
 from kv_exporter.manifest import write_manifest
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS
-from kv_exporter.sidecar.collection import Collection, CollectionSettings
-from kv_exporter.sidecar.engine_page import EngineTarget
-from kv_exporter.sidecar.http import (
-    ExporterApp,
-    ExporterServer,
-    build_server,
-    parse_listen_address,
-    serve_in_thread,
-)
-from tests.unit.fake_engine import VLLM_PAGE, closed_port_url, fake_engine, vllm_page_with
-from tests.unit.manifests import reference_manifest
-
-GIB = 1 << 30
-QWEN_ROW = 4_653_056
-UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
-OTHER_NS = "pid:[1]"
-
-Headers = dict[str, str]
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-@dataclass
-class Exporter:
-    url: str
-    server: ExporterServer
-    collection: Collection
-
-    def get(self, path: str = "/metrics", headers: Headers | None = None) -> tuple[int, Headers, bytes]:
-        request = urllib.request.Request(self.url + path, headers=headers or {})
-        try:
-            with urllib.request.urlopen(request, timeout=20) as response:
-                return response.status, dict(response.headers), response.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, dict(exc.headers), exc.read()
-
-    def samples(self) -> Samples:
-        status, _, body = self.get()
-        assert status == 200
-        return parse(body.decode())
-
-
-def parse(text: str) -> Samples:
-    out: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def pick(samples: Samples, name: str, **labels: str) -> float:
-    """The one sample of `name` whose labels include `labels`."""
-    found = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls)]
-    assert len(found) == 1, (name, labels, found)
-    return found[0]
-
-
-def absent(samples: Samples, name: str) -> bool:
-    return not any(n == name for n, _ in samples)
-
-
-@contextmanager
-def exporter(
-    manifest_dir: Path,
-    urls: Sequence[str] = (),
-    reader: GpuReader | None = None,
-    timeout_s: float = 1.0,
-    max_bytes: int = 1 << 20,
-) -> Iterator[Exporter]:
-    settings = CollectionSettings(
-        str(manifest_dir),
-        tuple(EngineTarget.parse(u) for u in urls),
-        fetch_timeout_s=timeout_s,
-        max_page_bytes=max_bytes,
-    )
-    collection = Collection(settings, reader, our_namespace=OTHER_NS)
-    server = build_server("127.0.0.1:0", ExporterApp(collection))
-    thread = serve_in_thread(server)
-    try:
-        yield Exporter(f"http://127.0.0.1:{server.server_address[1]}", server, collection)
-    finally:
-        server.shutdown()
-        server.server_close()
-        collection.close()
-        thread.join(5)
-
-
-def sim_gpu() -> SimulatedGpu:
-    return SimulatedGpu(total=80 * GIB, used=60 * GIB, uuid=UUID0)
+from kv_exporter.sidecar.http import parse_listen_address
+from kv_exporter.sidecar.simulated_engine import SimulatedEngine
+from tests.support.constants import GIB, QWEN_ROW, UUID0
+from tests.support.exporter import exporter, simulated_gpu
+from tests.support.manifests import reference_manifest
+from tests.support.net import closed_port_url
+from tests.support.pages import VLLM_PAGE, vllm_page_with
+from tests.support.scrape import Samples, absent, pick
 
 
 @pytest.fixture
@@ -117,8 +32,8 @@ def qwen_dir(tmp_path: Path) -> Path:
 
 def test_healthy_engine(qwen_dir: Path) -> None:
     with (
-        fake_engine(vllm_page_with(17, "Qwen3-TTS")) as engine,
-        exporter(qwen_dir, [engine.url], sim_gpu()) as e,
+        SimulatedEngine(vllm_page_with(17, "Qwen3-TTS")) as engine,
+        exporter(qwen_dir, [engine.url], simulated_gpu()) as e,
     ):
         s = e.samples()
     labels = {"model_name": "Qwen3-TTS", "cache": "codec_decoder_request_cache"}
@@ -147,14 +62,14 @@ def assert_engine_down(s: Samples, url: str, reason: str) -> None:
 
 def test_engine_down(qwen_dir: Path) -> None:
     url = closed_port_url()
-    with exporter(qwen_dir, [url], sim_gpu()) as e:
+    with exporter(qwen_dir, [url], simulated_gpu()) as e:
         assert_engine_down(e.samples(), url, "unreachable")
 
 
 def test_engine_slow(qwen_dir: Path) -> None:
     with (
-        fake_engine(VLLM_PAGE.read_bytes(), delay_s=3) as engine,
-        exporter(qwen_dir, [engine.url], sim_gpu(), timeout_s=0.3) as e,
+        SimulatedEngine(VLLM_PAGE.read_bytes(), fault="slow", delay_s=3) as engine,
+        exporter(qwen_dir, [engine.url], simulated_gpu(), fetch_timeout_s=0.3) as e,
     ):
         started = time.monotonic()
         s = e.samples()
@@ -164,16 +79,16 @@ def test_engine_slow(qwen_dir: Path) -> None:
 
 def test_engine_returns_garbage(qwen_dir: Path) -> None:
     with (
-        fake_engine(b"\x00\xffnot a metrics page\n" * 100) as engine,
-        exporter(qwen_dir, [engine.url], sim_gpu()) as e,
+        SimulatedEngine(b"\x00\xffnot a metrics page\n" * 100) as engine,
+        exporter(qwen_dir, [engine.url], simulated_gpu()) as e,
     ):
         assert_engine_down(e.samples(), engine.url, "no_running_series")
 
 
 def test_engine_huge_page(qwen_dir: Path) -> None:
     with (
-        fake_engine(vllm_page_with(17, "Qwen3-TTS") * 50) as engine,
-        exporter(qwen_dir, [engine.url], sim_gpu(), max_bytes=1 << 20) as e,
+        SimulatedEngine(vllm_page_with(17, "Qwen3-TTS") * 50) as engine,
+        exporter(qwen_dir, [engine.url], simulated_gpu(), max_page_bytes=1 << 20) as e,
     ):
         assert_engine_down(e.samples(), engine.url, "too_large")
 
@@ -183,8 +98,8 @@ def test_one_engine_down_does_not_hide_the_other(tmp_path: Path) -> None:
     write_manifest(tmp_path, reference_manifest(MIMO_AUDIO))
     down = closed_port_url()
     with (
-        fake_engine(vllm_page_with(3, "MiMo-Audio")) as engine,
-        exporter(tmp_path, [down, engine.url], sim_gpu()) as e,
+        SimulatedEngine(vllm_page_with(3, "MiMo-Audio")) as engine,
+        exporter(tmp_path, [down, engine.url], simulated_gpu()) as e,
     ):
         s = e.samples()
     assert pick(s, "model_local_kv_engine_up", model_name="MiMo-Audio") == 1
@@ -194,7 +109,7 @@ def test_one_engine_down_does_not_hide_the_other(tmp_path: Path) -> None:
 def test_nvml_absent_for_real(qwen_dir: Path) -> None:
     # No NVIDIA driver on this machine: the real binding fails in nvmlInit and the exporter says so.
     with (
-        fake_engine(vllm_page_with(1, "Qwen3-TTS")) as engine,
+        SimulatedEngine(vllm_page_with(1, "Qwen3-TTS")) as engine,
         exporter(qwen_dir, [engine.url], NvmlReader()) as e,
     ):
         s = e.samples()
@@ -215,8 +130,8 @@ def test_no_nvml(qwen_dir: Path) -> None:
 
 def test_no_manifests(tmp_path: Path) -> None:
     with (
-        fake_engine(vllm_page_with(4, "Qwen3-TTS")) as engine,
-        exporter(tmp_path, [engine.url], sim_gpu()) as e,
+        SimulatedEngine(vllm_page_with(4, "Qwen3-TTS")) as engine,
+        exporter(tmp_path, [engine.url], simulated_gpu()) as e,
     ):
         s = e.samples()
     assert [pick(s, "model_local_kv_manifests", state=x) for x in ("live", "stale", "invalid")] == [0, 0, 0]
@@ -227,7 +142,7 @@ def test_no_manifests(tmp_path: Path) -> None:
 
 
 def test_missing_manifest_folder(tmp_path: Path) -> None:
-    with exporter(tmp_path / "absent", [], sim_gpu()) as e:
+    with exporter(tmp_path / "absent", [], simulated_gpu()) as e:
         s = e.samples()
     assert pick(s, "model_local_kv_manifest_errors_total", reason="folder_unreadable") == 1
 
@@ -236,8 +151,8 @@ def test_bad_manifest_beside_good_ones(qwen_dir: Path) -> None:
     (qwen_dir / "truncated.json").write_text('{"schema_version": 1, ')
     (qwen_dir / "wrong.json").write_text('{"schema_version": 1}')
     with (
-        fake_engine(vllm_page_with(17, "Qwen3-TTS")) as engine,
-        exporter(qwen_dir, [engine.url], sim_gpu()) as e,
+        SimulatedEngine(vllm_page_with(17, "Qwen3-TTS")) as engine,
+        exporter(qwen_dir, [engine.url], simulated_gpu()) as e,
     ):
         for _ in range(3):
             s = e.samples()
@@ -251,8 +166,8 @@ def test_bad_manifest_beside_good_ones(qwen_dir: Path) -> None:
 
 def test_concurrent_scrapes_share_one_collection(qwen_dir: Path) -> None:
     with (
-        fake_engine(vllm_page_with(2, "Qwen3-TTS"), delay_s=0.5) as engine,
-        exporter(qwen_dir, [engine.url], sim_gpu(), timeout_s=3) as e,
+        SimulatedEngine(vllm_page_with(2, "Qwen3-TTS"), fault="slow", delay_s=0.5) as engine,
+        exporter(qwen_dir, [engine.url], simulated_gpu(), fetch_timeout_s=3) as e,
     ):
         results: list[int] = []
         threads = [threading.Thread(target=lambda: results.append(e.get()[0])) for _ in range(6)]
@@ -261,13 +176,13 @@ def test_concurrent_scrapes_share_one_collection(qwen_dir: Path) -> None:
         for t in threads:
             t.join(10)
         assert results == [200] * 6
-        assert engine.behaviour.requests == 1  # one fetch per engine for all six scrapes
+        assert engine.requests == 1  # one fetch per engine for all six scrapes
         e.get()
-        assert engine.behaviour.requests == 2
+        assert engine.requests == 2
 
 
 def test_openmetrics_and_gzip(qwen_dir: Path) -> None:
-    with exporter(qwen_dir, [], sim_gpu()) as e:
+    with exporter(qwen_dir, [], simulated_gpu()) as e:
         status, headers, body = e.get(headers={"Accept": "application/openmetrics-text; version=1.0.0"})
         assert status == 200
         assert headers["Content-Type"].startswith("application/openmetrics-text")
@@ -284,7 +199,7 @@ def test_openmetrics_and_gzip(qwen_dir: Path) -> None:
 
 
 def test_other_endpoints(qwen_dir: Path) -> None:
-    with exporter(qwen_dir, [], sim_gpu()) as e:
+    with exporter(qwen_dir, [], simulated_gpu()) as e:
         assert e.get("/healthz")[0] == 200
         status, headers, body = e.get("/")
         assert status == 200 and headers["Content-Type"].startswith("text/html")
@@ -300,7 +215,7 @@ def test_landing_escapes_manifest_text(tmp_path: Path) -> None:
 
     evil = ReferenceModel("<script>alert(1)</script>", QWEN3_TTS.declarations)
     write_manifest(tmp_path, reference_manifest(evil))
-    with exporter(tmp_path, [], sim_gpu()) as e:
+    with exporter(tmp_path, [], simulated_gpu()) as e:
         body = e.get("/")[2].decode()
     assert "<script>" not in body
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in body

@@ -17,14 +17,11 @@ import pytest
 from kv_exporter.web.auth import BCRYPT_MAX_PASSWORD_BYTES, parse_basic_authorization
 from kv_exporter.web.config import ALLOWED_HEADERS, UNSUPPORTED, WebConfig, WebConfigError
 from kv_exporter.web.reload import WebConfigReloader
-from tests.unit.test_webconfig_pki import PKI, make_pki
+from tests.support.net import basic_authorization
+from tests.support.pki import PKI, make_pki
 
 # Cost 4 (bcrypt's minimum) keeps the tests fast; one test uses the toolkit's documented cost 10.
 HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()
-
-
-def basic(user: str, password: str) -> str:
-    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
 
 def write(folder: Path, text: str, name: str = "web.yml") -> Path:
@@ -232,11 +229,11 @@ def users_config(tmp_path: Path) -> WebConfig:
 
 
 def test_right_password_passes_and_wrong_ones_do_not(users_config: WebConfig) -> None:
-    assert users_config.check_auth(basic("prometheus", "s3cret"))
-    assert users_config.check_auth(basic("ops", "s3cret"))  # htpasswd writes $2y$ hashes
-    assert not users_config.check_auth(basic("prometheus", "s3cret "))
-    assert not users_config.check_auth(basic("prometheus", ""))
-    assert not users_config.check_auth(basic("nobody", "s3cret"))
+    assert users_config.check_auth(basic_authorization("prometheus", "s3cret"))
+    assert users_config.check_auth(basic_authorization("ops", "s3cret"))  # htpasswd writes $2y$ hashes
+    assert not users_config.check_auth(basic_authorization("prometheus", "s3cret "))
+    assert not users_config.check_auth(basic_authorization("prometheus", ""))
+    assert not users_config.check_auth(basic_authorization("nobody", "s3cret"))
     assert not users_config.check_auth(None)
 
 
@@ -271,21 +268,21 @@ def test_successful_checks_are_cached_and_cost_one_bcrypt(tmp_path: Path) -> Non
     config = load(tmp_path, f"basic_auth_users:\n  prometheus: {slow_hash}\n")
     auth = config._auth
     started = time.perf_counter()
-    assert config.check_auth(basic("prometheus", "s3cret"))
+    assert config.check_auth(basic_authorization("prometheus", "s3cret"))
     first = time.perf_counter() - started
     started = time.perf_counter()
     for _ in range(100):
-        assert config.check_auth(basic("prometheus", "s3cret"))
+        assert config.check_auth(basic_authorization("prometheus", "s3cret"))
     repeat = (time.perf_counter() - started) / 100
     assert auth.bcrypt_calls == 1
     assert repeat < first / 10, (first, repeat)
-    assert not config.check_auth(basic("prometheus", "wrong"))
+    assert not config.check_auth(basic_authorization("prometheus", "wrong"))
     assert auth.bcrypt_calls == 2  # a different password is a new bcrypt check
 
 
 def test_the_cache_is_bounded(users_config: WebConfig) -> None:
     for i in range(300):
-        users_config.check_auth(basic("prometheus", f"guess-{i}"))
+        users_config.check_auth(basic_authorization("prometheus", f"guess-{i}"))
     assert len(users_config._auth._cache) <= 100
 
 
@@ -294,15 +291,15 @@ def test_passwords_longer_than_72_bytes_follow_bcrypt(tmp_path: Path) -> None:
     config = load(
         tmp_path, f"basic_auth_users:\n  u: {bcrypt.hashpw(long_password.encode(), bcrypt.gensalt(4)).decode()}\n"
     )
-    assert config.check_auth(basic("u", long_password))
-    assert config.check_auth(basic("u", long_password + "ignored"))  # bcrypt reads only 72 bytes
-    assert not config.check_auth(basic("u", long_password[:-1]))
+    assert config.check_auth(basic_authorization("u", long_password))
+    assert config.check_auth(basic_authorization("u", long_password + "ignored"))  # bcrypt reads only 72 bytes
+    assert not config.check_auth(basic_authorization("u", long_password[:-1]))
 
 
 def test_unknown_users_pay_bcrypt_too(users_config: WebConfig) -> None:
     # Without the dummy hash an unknown user would answer instantly and give away which users exist.
     before = users_config._auth.bcrypt_calls
-    assert not users_config.check_auth(basic("nobody", "x"))
+    assert not users_config.check_auth(basic_authorization("nobody", "x"))
     assert users_config._auth.bcrypt_calls == before + 1
 
 
@@ -335,7 +332,8 @@ def test_a_changed_file_is_reread_at_most_once_per_interval(tmp_path: Path) -> N
     clock.now += 0.6
     second = reloader.current()
     assert second is not first and reloader.reloads == 1
-    assert second.check_auth(basic("b", "s3cret")) and not second.check_auth(basic("a", "s3cret"))
+    assert second.check_auth(basic_authorization("b", "s3cret"))
+    assert not second.check_auth(basic_authorization("a", "s3cret"))
     clock.now += 5
     assert reloader.current() is second  # unchanged file: no reload
 
@@ -357,7 +355,7 @@ def test_an_invalid_new_file_keeps_the_last_good_config_and_logs_once(
     assert reloader.reload_failures == 1
     replace(path, f"basic_auth_users:\n  c: {HASH}\n")
     clock.now += 2
-    assert reloader.current().check_auth(basic("c", "s3cret"))
+    assert reloader.current().check_auth(basic_authorization("c", "s3cret"))
     assert reloader.last_reload_ok
 
 

@@ -5,7 +5,6 @@ version and cipher limits, live reloads, and a stalled client that must not bloc
 
 from __future__ import annotations
 
-import base64
 import http.client
 import os
 import shutil
@@ -25,8 +24,9 @@ from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.http import ExporterServer, build_server, serve_in_thread
 from kv_exporter.web.reload import WebConfigReloader
 from kv_exporter.web.tls import PLAIN_HTTP_TO_TLS_RESPONSE
-from tests.unit.manifests import reference_manifest
-from tests.unit.test_webconfig_pki import PKI, Issued, client_context, make_pki
+from tests.support import net
+from tests.support.manifests import reference_manifest
+from tests.support.pki import PKI, Issued, client_context, make_pki
 
 PASSWORD = "correct horse"
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
@@ -85,23 +85,14 @@ def tls_config(pki: PKI, extra: str = "") -> str:
 
 
 def basic(user: str, password: str) -> dict[str, str]:
-    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+    return {"Authorization": net.basic_authorization(user, password)}
 
 
 def get(
     running: Running, context: ssl.SSLContext | None, headers: dict[str, str] | None = None, path: str = "/metrics"
 ) -> tuple[int, dict[str, str], bytes]:
-    conn: http.client.HTTPConnection
-    if context is None:
-        conn = http.client.HTTPConnection(running.host, running.port, timeout=TIMEOUT_S)
-    else:
-        conn = http.client.HTTPSConnection(running.host, running.port, timeout=TIMEOUT_S, context=context)
-    try:
-        conn.request("GET", path, headers=headers or {})
-        response = conn.getresponse()
-        return response.status, dict(response.getheaders()), response.read()
-    finally:
-        conn.close()
+    scheme = "http" if context is None else "https"
+    return net.get(f"{scheme}://{running.host}:{running.port}{path}", headers, TIMEOUT_S, context)
 
 
 def handshake_refused(running: Running, context: ssl.SSLContext) -> BaseException:

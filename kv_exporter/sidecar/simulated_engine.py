@@ -1,0 +1,221 @@
+"""A simulated engine: a real HTTP server on 127.0.0.1 serving vLLM-format metrics pages, one per path.
+
+It is `kv-exporter demo`'s backend, and the stand-in engine that the tests and the benchmarks scrape. A page is
+bytes, or a function that builds them on every request. The engine answers as its `fault` says, switchable while it
+runs: the ways an engine's page goes wrong (docs/reliability.md), each one a reason the sidecar counts. It counts the
+requests it gets, keeps the Authorization header of the last one, and stops and listens again on the same port, as a
+restarted engine does. Standard library only, like the rest of the sidecar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http
+import socketserver
+import threading
+from collections.abc import Callable, Mapping
+from io import BufferedIOBase
+from typing import Any
+
+Page = bytes | Callable[[], bytes]
+
+METRICS_PATH = "/metrics"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# What each fault sends (`refused` is not an answer: nothing listens on the port).
+FAULTS = (
+    "ok",
+    "slow",  # the page, after `delay_s`
+    "hang",  # reads the request, never answers
+    "trickle",  # the page in TRICKLE_CHUNK-byte pieces, TRICKLE_S apart
+    "status_500",
+    "truncated",  # closes half-way through its Content-Length
+    "no_length",  # the page without Content-Length: only the close ends it
+    "huge",  # HUGE_BYTES, announced in Content-Length
+    "huge_streamed",  # HUGE_BYTES, close-delimited: only counting tells
+    "html",  # a login page where the metrics should be
+    "json",
+)
+REFUSED = "refused"
+WAITING = frozenset({"slow", "hang", "trickle", "huge", "huge_streamed"})  # answered on a thread of their own
+SLOW_S = 2.0
+HANG_S = 60.0  # past any sidecar timeout; cut short when the fault changes or the engine stops
+TRICKLE_CHUNK, TRICKLE_S = 1000, 0.12  # vLLM's 51 KB page takes ~6 s
+HUGE_BYTES = 50 << 20
+HTML = b"<!doctype html><html><head><title>Sign in</title></head><body><form>...</form></body></html>\n"
+JSON = b'{"status": "ok", "running": 3}\n'
+_MAX_LINE = 1 << 16
+
+
+def vllm_page(model_name: str, running: int) -> bytes:
+    """A vLLM-format page (the series names and labels vLLM 0.32 prints) for one engine serving `model_name`."""
+    name = model_name.replace("\\", "\\\\").replace('"', '\\"')
+    labels = f'engine="0",model_name="{name}"'
+    return (
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        f"vllm:num_requests_running{{{labels}}} {float(running)}\n"
+        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
+    ).encode()
+
+
+class SimulatedEngine:
+    """Listens on 127.0.0.1:`port` (0: any free port) from construction until `stop()`; a context manager."""
+
+    def __init__(self, pages: Page | Mapping[str, Page], *, fault: str = "ok", delay_s: float = SLOW_S, port: int = 0):
+        self.pages: dict[str, Page] = dict(pages) if isinstance(pages, Mapping) else {METRICS_PATH: pages}
+        self.delay_s = delay_s
+        self.port = port
+        self.requests = 0
+        self.authorization: str | None = None  # of the last request
+        self._fault = "ok"
+        self._released = threading.Event()  # set to cut short the waits of `hang`, `slow` and `trickle`
+        self._lock = threading.Lock()
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self.set(fault)
+
+    @property
+    def url(self) -> str:
+        """The URL of the first page."""
+        return self.url_for(next(iter(self.pages)))
+
+    def url_for(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    @property
+    def fault(self) -> str:
+        return self._fault if self._server is not None else REFUSED
+
+    def set(self, fault: str) -> None:
+        """Answer as `fault` says from the next request on; `refused` stops listening, any other fault listens
+        again (on the same port) if it had stopped."""
+        if fault == REFUSED:
+            self.stop()
+            return
+        if fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}: one of {', '.join(FAULTS)} or {REFUSED}")
+        if self._server is None:
+            self._listen()
+        with self._lock:
+            if self._fault == "hang":  # the hanging answers end now (without a response)
+                self._release()
+            self._fault = fault
+
+    def stop(self) -> None:
+        if self._server is None:
+            return
+        with self._lock:
+            self._release()
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(5)
+        self._server = self._thread = None
+
+    def __enter__(self) -> SimulatedEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def _listen(self) -> None:
+        self._server = _Server(("127.0.0.1", self.port), _Handler)
+        self._server.engine = self
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="simulated-engine", daemon=True)
+        self._thread.start()
+
+    def _release(self) -> None:
+        self._released.set()
+        self._released = threading.Event()
+
+    def _serve(self, out: BufferedIOBase, path: str, authorization: str | None) -> None:
+        with self._lock:
+            self.requests += 1
+            self.authorization = authorization
+            fault, released = self._fault, self._released
+        source = self.pages.get(path)
+        if source is None:
+            out.write(_response(404, b"no such page\n"))
+            return
+        page = source() if callable(source) else source
+        if fault == "hang":
+            released.wait(HANG_S)
+        elif fault == "trickle":
+            out.write(_head(200, len(page)))
+            for start in range(0, len(page), TRICKLE_CHUNK):
+                out.write(page[start : start + TRICKLE_CHUNK])
+                if released.wait(TRICKLE_S):
+                    return
+        elif fault in ("huge", "huge_streamed"):
+            out.write(_head(200, HUGE_BYTES if fault == "huge" else None))
+            block = (page * (1 + (1 << 20) // len(page)))[: 1 << 20]
+            for _ in range(HUGE_BYTES // len(block)):
+                out.write(block)
+        else:
+            if fault == "slow":
+                released.wait(self.delay_s)
+            out.write(_whole_answer(fault, page))
+
+
+def _whole_answer(fault: str, page: bytes) -> bytes:
+    """Status line, head and body of a fault that answers in one write."""
+    if fault == "status_500":
+        return _response(500, b"Internal Server Error\n")
+    if fault == "truncated":  # the running-count line is in the half that is sent
+        return _head(200, len(page)) + page[: len(page) // 2]
+    if fault == "no_length":
+        return _head(200, None) + page
+    if fault == "html":
+        return _response(200, HTML, "text/html; charset=utf-8")
+    if fault == "json":
+        return _response(200, JSON, "application/json")
+    return _response(200, page)  # ok, slow
+
+
+def _response(status: int, body: bytes, content_type: str = CONTENT_TYPE) -> bytes:
+    return _head(status, len(body), content_type) + body
+
+
+def _head(status: int, length: int | None, content_type: str = CONTENT_TYPE) -> bytes:
+    """HTTP/1.0, so that a body without Content-Length is allowed (the connection's close ends it)."""
+    lines = [f"HTTP/1.0 {status} {http.HTTPStatus(status).phrase}", f"Content-Type: {content_type}"]
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    """One request per connection. Reads only the request line and the Authorization header: cheaper than
+    http.server's parsing, so that what a benchmark times is the sidecar, not the stand-in."""
+
+    server: _Server
+    disable_nagle_algorithm = True
+
+    def handle(self) -> None:
+        words = self.rfile.readline(_MAX_LINE).split()
+        authorization = None
+        while (line := self.rfile.readline(_MAX_LINE)).strip():
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"authorization":
+                authorization = value.strip().decode("latin-1")
+        path = words[1].split(b"?", 1)[0].decode("latin-1") if len(words) > 1 else ""
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the reader gave up on us, as it may
+            self.server.engine._serve(self.wfile, path, authorization)
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True  # listening again on the same port, as a restarted engine does
+    request_queue_size = 64
+    engine: SimulatedEngine
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per request only where the answer waits: one answered at once costs half the CPU without
+        (measured: ~0.1 against ~0.2 ms a request), CPU the benchmarks' sidecar shares the machine with."""
+        if self.engine.fault in WAITING:
+            super().process_request(request, client_address)
+        else:
+            socketserver.BaseServer.process_request(self, request, client_address)

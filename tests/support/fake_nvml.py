@@ -1,0 +1,72 @@
+"""A stand-in for the NVML binding (the one faked boundary): the same function names, raising pynvml's own error
+classes, behind the real NvmlReader."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pynvml
+
+
+@dataclass
+class FakeDevice:
+    uuid: str
+    name: str
+    total: int
+    used: int
+    processes: list[tuple[int, int | None]] = field(default_factory=list)
+    error: type[pynvml.NVMLError] | None = None  # raised by every per-device call
+
+
+class FakeBinding:
+    """Only the binding is faked: same function names, and it raises pynvml's own error classes."""
+
+    NVMLError = pynvml.NVMLError
+
+    def __init__(self, devices: list[FakeDevice], init_error: type[pynvml.NVMLError] | None = None) -> None:
+        self.devices = devices
+        self.init_error = init_error
+        self.init_calls = 0
+        self.shutdown_calls = 0
+
+    def _raise(self, cls: type[pynvml.NVMLError]) -> None:
+        # The real classes take the NVML return code; find it from the binding's own mapping.
+        code = next(v for v, c in pynvml.NVMLError._valClassMapping.items() if c is cls)
+        raise cls(code)
+
+    def nvmlInit(self) -> None:
+        self.init_calls += 1
+        if self.init_error is not None:
+            self._raise(self.init_error)
+
+    def nvmlShutdown(self) -> None:
+        self.shutdown_calls += 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeDevice:
+        if not 0 <= index < len(self.devices):
+            self._raise(pynvml.NVMLError_InvalidArgument)
+        return self.devices[index]
+
+    def _checked(self, handle: FakeDevice) -> FakeDevice:
+        if handle.error is not None:
+            self._raise(handle.error)
+        return handle
+
+    def nvmlDeviceGetUUID(self, handle: FakeDevice) -> str:
+        return self._checked(handle).uuid
+
+    def nvmlDeviceGetName(self, handle: FakeDevice) -> bytes:
+        return self._checked(handle).name.encode()  # older bindings return bytes
+
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeDevice) -> Any:
+        dev = self._checked(handle)
+        return SimpleNamespace(total=dev.total, used=dev.used, free=dev.total - dev.used)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeDevice) -> list[Any]:
+        dev = self._checked(handle)
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in dev.processes]
