@@ -20,14 +20,21 @@ torch is imported lazily: importing ``kv_exporter`` must never import torch (the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CacheBytes", "LayerBytes", "measure_cache_bytes"]
+__all__ = ["CacheBytes", "LayerBytes", "StorageUnavailable", "held_bytes", "inner_caches", "measure_cache_bytes"]
 
 # EncoderDecoderCache has no `.layers`; it holds two ordinary caches under these names.
 _SUB_CACHES = ("self_attention_cache", "cross_attention_cache")
+
+# A storage, once: its device and its base pointer (views and layers sharing KV point at the same one).
+StorageKey = tuple[object, int]
+
+
+class StorageUnavailable(TypeError):
+    """A cache tensor whose storage torch will not show (a sparse or a wrapper tensor): its bytes are unknown."""
 
 
 @dataclass(frozen=True)
@@ -72,12 +79,17 @@ def measure_cache_bytes(cache: object) -> CacheBytes:
 
     Accepts any cache with ``.layers`` (DynamicCache, StaticCache, ...) and EncoderDecoderCache. A layer
     whose ``keys`` is still ``None`` (a StaticCache layer before its first update, a KV-sharing dummy layer)
-    counts 0. Raises ``TypeError`` for an object that is not a transformers cache.
+    counts 0. Raises ``TypeError`` for an object that is not a transformers cache, ``StorageUnavailable`` for
+    a tensor without an accessible storage.
     """
     import torch  # lazily: kv_exporter must stay importable without torch
 
-    seen_storages: set[tuple[str, int]] = set()
-    per_layer = tuple(_measure_layer(path, layer, torch.Tensor, seen_storages) for path, layer in _walk(cache, ""))
+    seen: set[StorageKey] = set()
+    per_layer = tuple(
+        _measure_layer(f"{prefix}layers[{index}]", layer, torch.Tensor, seen)
+        for prefix, layers in _walk(cache, "")
+        for index, layer in enumerate(layers)
+    )
     return CacheBytes(
         shown_bytes=sum(layer.shown_bytes for layer in per_layer),
         allocated_bytes=sum(layer.allocated_bytes for layer in per_layer),
@@ -87,12 +99,36 @@ def measure_cache_bytes(cache: object) -> CacheBytes:
     )
 
 
-def _walk(cache: object, prefix: str) -> Iterator[tuple[str, object]]:
-    """Yield ``(path, layer)`` for every layer object, descending into encoder-decoder caches."""
+def held_bytes(cache: object, seen: set[StorageKey]) -> int:
+    """The storage bytes behind `cache`'s K and V that are not in `seen` yet; adds what it counts to `seen`.
+
+    With an empty `seen`, ``measure_cache_bytes(cache).allocated_bytes``; with one `seen` shared across caches,
+    every storage counted once over all of them. Reads metadata only (no device synchronisation) and formats no
+    paths: the observation sampler's measurement. Raises as `measure_cache_bytes` does.
+    """
+    import torch
+
+    total = 0
+    for _, layers in _walk(cache, ""):
+        for layer in layers:
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if tensor is not None:
+                    total += _new_storage_bytes(_checked(tensor, torch.Tensor, "a layer"), seen)
+    return total
+
+
+def inner_caches(cache: object) -> tuple[object, ...]:
+    """The caches an EncoderDecoderCache holds (its two halves); empty for a cache with ``.layers``."""
+    if isinstance(getattr(cache, "layers", None), (list, tuple)):
+        return ()
+    return tuple(sub for sub in (getattr(cache, name, None) for name in _SUB_CACHES) if sub is not None)
+
+
+def _walk(cache: object, prefix: str) -> Iterator[tuple[str, Sequence[object]]]:
+    """Yield ``(path prefix, layers)`` for each layer list, descending into encoder-decoder caches."""
     layers = getattr(cache, "layers", None)
     if isinstance(layers, (list, tuple)):
-        for index, layer in enumerate(layers):
-            yield f"{prefix}layers[{index}]", layer
+        yield prefix, tuple(layers)  # a copy: another thread may append a layer while we read
         return
     sub_caches = [(name, getattr(cache, name, None)) for name in _SUB_CACHES]
     if all(sub is None for _, sub in sub_caches):
@@ -104,7 +140,13 @@ def _walk(cache: object, prefix: str) -> Iterator[tuple[str, object]]:
             yield from _walk(sub, f"{prefix}{name}.")
 
 
-def _measure_layer(path: str, layer: object, tensor_type: type[Any], seen: set[tuple[str, int]]) -> LayerBytes:
+def _checked(tensor: object, tensor_type: type[Any], where: str) -> Any:
+    if not isinstance(tensor, tensor_type):
+        raise TypeError(f"{where}: expected a torch.Tensor or None, got {type(tensor).__name__}")
+    return tensor
+
+
+def _measure_layer(path: str, layer: object, tensor_type: type[Any], seen: set[StorageKey]) -> LayerBytes:
     keys = getattr(layer, "keys", None)
     values = getattr(layer, "values", None)
     shown = 0
@@ -112,8 +154,7 @@ def _measure_layer(path: str, layer: object, tensor_type: type[Any], seen: set[t
     for tensor in (keys, values):
         if tensor is None:
             continue
-        if not isinstance(tensor, tensor_type):
-            raise TypeError(f"{path}: expected a torch.Tensor or None, got {type(tensor).__name__}")
+        _checked(tensor, tensor_type, path)
         shown += tensor.numel() * tensor.element_size()
         allocated += _new_storage_bytes(tensor, seen)
     positions = int(keys.shape[-2]) if keys is not None and keys.dim() >= 2 else 0
@@ -126,17 +167,20 @@ def _measure_layer(path: str, layer: object, tensor_type: type[Any], seen: set[t
     )
 
 
-def _new_storage_bytes(tensor: Any, seen: set[tuple[str, int]]) -> int:
+def _new_storage_bytes(tensor: Any, seen: set[StorageKey]) -> int:
     """Bytes of the tensor's storage unless an earlier tensor already counted it.
 
     Keyed by device and data pointer: views (a sliding window's slice) and layers sharing KV point at the
     same storage. Empty storages all report pointer 0 and hold nothing, so they are skipped rather than keyed.
     """
-    storage = tensor.untyped_storage()
-    nbytes = int(storage.nbytes())
+    try:
+        storage = tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError) as exc:  # torch's answer for sparse, nested and wrapper tensors
+        raise StorageUnavailable(f"a cache holds a {type(tensor).__name__} without a readable storage ({exc})") from exc
+    nbytes: int = storage.nbytes()
     if nbytes == 0:
         return 0
-    key = (str(tensor.device), int(storage.data_ptr()))
+    key = (tensor.device, storage.data_ptr())
     if key in seen:
         return 0
     seen.add(key)
