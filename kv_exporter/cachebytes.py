@@ -29,8 +29,9 @@ __all__ = ["CacheBytes", "LayerBytes", "StorageUnavailable", "held_bytes", "inne
 # EncoderDecoderCache has no `.layers`; it holds two ordinary caches under these names.
 _SUB_CACHES = ("self_attention_cache", "cross_attention_cache")
 
-# A storage, once: its device and its base pointer (views and layers sharing KV point at the same one).
-StorageKey = tuple[object, int]
+# The storages counted so far: base pointers per device (views and layers sharing KV point at the same one).
+# Plain ints, not a (device, pointer) tuple per tensor: tens of thousands of tuples cost ~5 ms just to free.
+SeenStorages = dict[object, set[int]]
 
 
 class StorageUnavailable(TypeError):
@@ -84,7 +85,7 @@ def measure_cache_bytes(cache: object) -> CacheBytes:
     """
     import torch  # lazily: kv_exporter must stay importable without torch
 
-    seen: set[StorageKey] = set()
+    seen: SeenStorages = {}
     per_layer = tuple(
         _measure_layer(f"{prefix}layers[{index}]", layer, torch.Tensor, seen)
         for prefix, layers in _walk(cache, "")
@@ -99,7 +100,7 @@ def measure_cache_bytes(cache: object) -> CacheBytes:
     )
 
 
-def held_bytes(cache: object, seen: set[StorageKey]) -> int:
+def held_bytes(cache: object, seen: SeenStorages) -> int:
     """The storage bytes behind `cache`'s K and V that are not in `seen` yet; adds what it counts to `seen`.
 
     With an empty `seen`, ``measure_cache_bytes(cache).allocated_bytes``; with one `seen` shared across caches,
@@ -108,12 +109,13 @@ def held_bytes(cache: object, seen: set[StorageKey]) -> int:
     """
     import torch
 
+    tensor_type = torch.Tensor
     total = 0
     for _, layers in _walk(cache, ""):
         for layer in layers:
             for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if tensor is not None:
-                    total += _new_storage_bytes(_checked(tensor, torch.Tensor, "a layer"), seen)
+                    total += _new_storage_bytes(_checked(tensor, tensor_type, "a layer"), seen)
     return total
 
 
@@ -146,7 +148,7 @@ def _checked(tensor: object, tensor_type: type[Any], where: str) -> Any:
     return tensor
 
 
-def _measure_layer(path: str, layer: object, tensor_type: type[Any], seen: set[StorageKey]) -> LayerBytes:
+def _measure_layer(path: str, layer: object, tensor_type: type[Any], seen: SeenStorages) -> LayerBytes:
     keys = getattr(layer, "keys", None)
     values = getattr(layer, "values", None)
     shown = 0
@@ -167,7 +169,7 @@ def _measure_layer(path: str, layer: object, tensor_type: type[Any], seen: set[S
     )
 
 
-def _new_storage_bytes(tensor: Any, seen: set[StorageKey]) -> int:
+def _new_storage_bytes(tensor: Any, seen: SeenStorages) -> int:
     """Bytes of the tensor's storage unless an earlier tensor already counted it.
 
     Keyed by device and data pointer: views (a sliding window's slice) and layers sharing KV point at the
@@ -180,8 +182,12 @@ def _new_storage_bytes(tensor: Any, seen: set[StorageKey]) -> int:
     nbytes: int = storage.nbytes()
     if nbytes == 0:
         return 0
-    key = (tensor.device, storage.data_ptr())
-    if key in seen:
+    device = tensor.device
+    pointers = seen.get(device)
+    if pointers is None:
+        pointers = seen[device] = set()
+    pointer = storage.data_ptr()
+    if pointer in pointers:
         return 0
-    seen.add(key)
+    pointers.add(pointer)
     return nbytes

@@ -12,22 +12,19 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import DynamicCache, Qwen2ForCausalLM
-from transformers.cache_utils import Cache
 
 from kv_exporter.cachebytes import measure_cache_bytes
 from kv_exporter.observation import UNATTRIBUTED_OWNER, Observation, ObservationState
 from kv_exporter.plugin import observe
-from kv_exporter.plugin.hooks import install_post_import
 from kv_exporter.plugin.oncelog import reset_for_tests
 from kv_exporter.plugin.settings import DEFAULT_OBSERVE_INTERVAL_S, HookSettings
 from tests.unit.cache_models import build, forward, full_config, prefill_and_decode, prompt
-from tests.unit.observing import by_owner, observer, sample, settings, warnings_logged
+from tests.unit.observing import by_owner, observer, sample, warnings_logged
 
 __all__ = ["observer"]  # the fixture, imported for pytest
 
@@ -147,45 +144,37 @@ def test_without_transformers_the_observation_is_unavailable_and_the_model_runs(
 # -- off, and the plugin's registration ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def observation_off() -> Iterator[None]:
-    observe.reset_for_tests()
-    reset_for_tests()
-    install_post_import(observe.patches(settings(0.0)))
-    try:
-        yield
-    finally:
-        observe.reset_for_tests()
-
-
-@pytest.mark.usefixtures("observation_off")
-def test_observation_off_patches_nothing_and_starts_nothing() -> None:
-    assert "__new__" not in Cache.__dict__
-    model, _ = model_and_cache()
-    observe.attach(model, [])
-    assert not observe.start(lambda observation: None)
-    assert THREAD_NAME not in {thread.name for thread in threading.enumerate()}
-    off = observe.observe()
-    assert (off.state, off.interval_s, off.owners) == (ObservationState.OFF, 0.0, ())
-
-
 REGISTERED = """
-import copy, json
+import copy, json, threading
 from kv_exporter.plugin import observe, register
 register()
+import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
+model = torch.nn.Linear(2, 2)
 caches = [DynamicCache(), copy.deepcopy(DynamicCache())]
-print(json.dumps({"patched": "__new__" in Cache.__dict__, "state": observe.observe().state.value,
-                  "tracked": sum(o.caches for o in observe.observe().owners)}))
+observe.attach(model, [], torch.device("cpu"))
+started = observe.start(lambda observation: None)
+observation = observe.observe()
+print(json.dumps({
+    "patched": "__new__" in Cache.__dict__,
+    "started": started,
+    "threads": sum(thread.name == "kv-exporter-observe" for thread in threading.enumerate()),
+    "state": observation.state.value,
+    "interval": observation.interval_s,
+    "tracked": sum(o.caches for o in observation.owners),
+}))
 """
 
 
 @pytest.mark.parametrize(
     ("interval", "expected"),
-    [("1", {"patched": True, "state": "ok", "tracked": 2}), ("0", {"patched": False, "state": "off", "tracked": 0})],
+    [
+        ("1", {"patched": True, "started": True, "threads": 1, "state": "ok", "interval": 1.0, "tracked": 2}),
+        ("0", {"patched": False, "started": False, "threads": 0, "state": "off", "interval": 0.0, "tracked": 0}),
+    ],
 )
-def test_the_plugin_patches_the_cache_class_only_when_observing(interval: str, expected: dict[str, object]) -> None:
+def test_the_plugin_patches_and_samples_only_when_observing(interval: str, expected: dict[str, object]) -> None:
     assert run_python(REGISTERED, KV_EXPORTER_OBSERVE_INTERVAL=interval) == expected
 
 

@@ -174,8 +174,8 @@ def stop() -> None:
 
 
 def reset_for_tests() -> None:
-    """Stop the thread, unpatch, and forget everything (tests only)."""
+    """Stop the thread, stop tracking, and forget everything (tests only)."""
     global _observer
     stop()
-    _observer.registry.uninstall()
+    _observer.registry.detach()
     _observer = _Observer()

@@ -37,7 +37,6 @@ class Registry:
         self.installed_on: type | None = None
         self.unavailable = ""  # why the figures cannot be complete in this process ("" while they can)
         self._stack_modules: StackModules | None = None
-        self._original_new: Any = None
         self._on_release = self._released
 
     def _released(self, entry: Entry) -> None:
@@ -107,31 +106,40 @@ class Registry:
 
     def install(self, cache_base: type, module_type: type[Any]) -> bool:
         """Track every instance of `cache_base` and its subclasses from now on; False when that cannot work."""
-        own_new = cache_base.__dict__.get("__new__")
-        if getattr(getattr(own_new, "__func__", own_new), PATCHED_MARK, False):
-            return True
         if cache_base.__weakrefoffset__ == 0:
             name = cache_base.__qualname__
             self.mark_unavailable(f"weakref:{name}", f"{name} cannot be weakly referenced; nothing is tracked")
             return False
         self._stack_modules = StackModules(module_type)
-        self._original_new = own_new
-        cache_base.__new__ = staticmethod(_tracking_new(cache_base, own_new, self))  # type: ignore[method-assign]
+        own_new = cache_base.__dict__.get("__new__")
+        tracker = getattr(getattr(own_new, "__func__", own_new), PATCHED_MARK, None)
+        if isinstance(tracker, _Tracker):  # patched before (an earlier registry, in tests): track into this one
+            tracker.registry = self
+        else:
+            cache_base.__new__ = staticmethod(_tracking_new(cache_base, own_new, _Tracker(self)))  # type: ignore[method-assign]
         self.installed_on = cache_base
         return True
 
-    def uninstall(self) -> None:
-        """Give the cache base class its own `__new__` back (for tests)."""
+    def detach(self) -> None:
+        """Stop tracking into this registry (tests). The `__new__` stays: CPython cannot give a class back the
+        `object.__new__` it inherited once it has had its own (deleting it leaves a slot that refuses arguments)."""
         cache_base, self.installed_on = self.installed_on, None
-        if cache_base is None:
-            return
-        if self._original_new is None:
-            del cache_base.__new__
-        else:
-            cache_base.__new__ = self._original_new  # type: ignore[method-assign]
+        own_new = None if cache_base is None else cache_base.__dict__.get("__new__")
+        tracker = getattr(getattr(own_new, "__func__", own_new), PATCHED_MARK, None)
+        if isinstance(tracker, _Tracker) and tracker.registry is self:
+            tracker.registry = None
 
 
-def _tracking_new(cache_base: type[Any], own_new: Any, registry: Registry) -> Any:
+class _Tracker:
+    """Where the patched `__new__` tracks to (None: nowhere)."""
+
+    __slots__ = ("registry",)
+
+    def __init__(self, registry: Registry | None) -> None:
+        self.registry = registry
+
+
+def _tracking_new(cache_base: type[Any], own_new: Any, tracker: _Tracker) -> Any:
     """The `__new__` to put on `cache_base`: create the instance as before, then track it, never raising."""
     original = getattr(own_new, "__func__", own_new)  # a `__new__` the class defines itself, else None
     object_new = object.__new__
@@ -143,11 +151,13 @@ def _tracking_new(cache_base: type[Any], own_new: Any, registry: Registry) -> An
             upstream = super(cache_base, cls).__new__
             # object.__new__ refuses arguments once a class overrides __new__; __init__ takes them.
             instance = object_new(cls) if upstream is object_new else upstream(cls, *args, **kwargs)
-        try:
-            registry.track(instance, sys._getframe(1))
-        except Exception as exc:
-            registry.mark_unavailable("track", f"tracking a {cls.__qualname__} failed ({exc!r})")
+        registry = tracker.registry
+        if registry is not None:
+            try:
+                registry.track(instance, sys._getframe(1))
+            except Exception as exc:
+                registry.mark_unavailable("track", f"tracking a {cls.__qualname__} failed ({exc!r})")
         return instance
 
-    setattr(__new__, PATCHED_MARK, True)
+    setattr(__new__, PATCHED_MARK, tracker)
     return __new__

@@ -17,12 +17,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kv_exporter.cachebytes import StorageKey, held_bytes, inner_caches
+from kv_exporter.cachebytes import SeenStorages, held_bytes, inner_caches
 from kv_exporter.observation import UNATTRIBUTED_OWNER, CudaMemory, Observation
 from kv_exporter.plugin.observe.registry import Entry
 from kv_exporter.plugin.oncelog import warn_once
 
 SLICE_S = 0.0005  # work done between two pauses
+FORGET_BATCH = 1024  # storage keys freed between two looks at the clock
 PAUSE_S = 0.0002  # long enough for a thread waiting for the GIL to take it
 STOP_TIMEOUT_S = 5.0
 # Runs before publish's manifest cleanup (exitpriority 10): no sample may rewrite a manifest being removed.
@@ -53,7 +54,7 @@ def measure(entries: Sequence[Entry], pace: Callable[[], None]) -> dict[str, tup
     for entry in entries:
         halves.update(_halves(entry))
         pace()
-    seen: set[StorageKey] = set()
+    seen: SeenStorages = {}
     totals: dict[str, tuple[int, int]] = {}
     for entry in entries:
         counted = _held(entry, halves, seen)
@@ -62,7 +63,17 @@ def measure(entries: Sequence[Entry], pace: Callable[[], None]) -> dict[str, tup
             held, caches = totals.get(owner, (0, 0))
             totals[owner] = (held + nbytes, caches + 1)
         pace()
+    _forget(seen, pace)
     return totals
+
+
+def _forget(seen: SeenStorages, pace: Callable[[], None]) -> None:
+    """Empty `seen` a batch at a time: freeing 56,000 keys at once (1,000 caches of 28 layers) takes ~1.5 ms."""
+    for pointers in seen.values():
+        while pointers:
+            for _ in range(min(FORGET_BATCH, len(pointers))):
+                pointers.pop()
+            pace()
 
 
 # Each of these holds the cache only while it runs: a strong reference kept across a pause would delay a release.
@@ -73,7 +84,7 @@ def _halves(entry: Entry) -> list[int]:
     return [] if cache is None else [id(half) for half in inner_caches(cache)]
 
 
-def _held(entry: Entry, halves: set[int], seen: set[StorageKey]) -> tuple[str, int] | None:
+def _held(entry: Entry, halves: set[int], seen: SeenStorages) -> tuple[str, int] | None:
     cache = entry()
     if cache is None or id(cache) in halves:
         return None
