@@ -4,10 +4,11 @@ The owner is the innermost declaring owner whose code is on the stack (at any de
 counts), else the innermost module of the model whose code is, else `UNATTRIBUTED_OWNER`. Paths are the
 `named_modules()` paths of the unwrapped model, as the collector records declaration owners.
 
-Once the model is known (`ModelMap`) the walk compares each frame's code object with a dictionary built from the
-methods of the model's module classes, and reads a frame's `self` only where several modules share that code and
-the answer matters; it stops at the model's root. Before the model is known (during load), `modules_on_stack`
-records weak references to the modules whose methods are on the stack, and `ModelMap.resolve` names them later.
+Once the model is known (`ModelMap`) the walk looks each frame's code object up in a dictionary built from the
+methods of the model's module classes, by identity (Python hashes a code object's whole content on every lookup,
+~0.2-0.5 us), and reads a frame's `self` only where several modules share that code and the answer matters; it
+stops at the model's root. Before the model is known (during load), `StackModules` records weak references to the
+modules whose methods are on the stack, and `ModelMap.resolve` names them later.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ ModuleRef = weakref.ref[Any]
 class _Site:
     """One code object of the model's module classes."""
 
-    __slots__ = ("path", "self_name", "wanted")
+    __slots__ = ("code", "path", "self_name", "wanted")
 
-    def __init__(self, path: str | None, self_name: str, wanted: bool) -> None:
+    def __init__(self, code: CodeType, path: str | None, wanted: bool) -> None:
+        self.code = code  # kept alive: the sites are keyed by its id
         self.path = path  # the one module running this code; None when several share it (told apart by `self`)
-        self.self_name = self_name  # the name of its first parameter
+        self.self_name = code.co_varnames[0]  # the name of its first parameter
         self.wanted = wanted  # worth reading above the innermost module: one of its modules declares or is the root
 
 
@@ -58,7 +60,7 @@ class ModelMap:
     def describes(self, model: object, declaring_owner_paths: Collection[str]) -> bool:
         return self.root() is _unwrap(model) and self.declaring == frozenset(declaring_owner_paths)
 
-    def _build_sites(self, by_class: dict[type, list[str]], module_type: type[Any]) -> dict[CodeType, _Site]:
+    def _build_sites(self, by_class: dict[type, list[str]], module_type: type[Any]) -> dict[int, _Site]:
         paths_by_code: dict[CodeType, list[str]] = {}
         wanted_codes: set[CodeType] = set()
         for cls, paths in by_class.items():
@@ -68,7 +70,7 @@ class ModelMap:
                 if wanted:
                     wanted_codes.add(code)
         return {
-            code: _Site(paths[0] if len(paths) == 1 else None, code.co_varnames[0], code in wanted_codes)
+            id(code): _Site(code, paths[0] if len(paths) == 1 else None, code in wanted_codes)
             for code, paths in paths_by_code.items()
         }
 
@@ -77,7 +79,7 @@ class ModelMap:
         sites, paths, declaring = self._sites, self._paths, self.declaring
         innermost: str | None = None
         while frame is not None:
-            site = sites.get(frame.f_code)
+            site = sites.get(id(frame.f_code))
             if site is not None and (innermost is None or site.wanted):
                 path = site.path
                 if path is None:
@@ -140,17 +142,17 @@ class StackModules:
 
     def __init__(self, module_type: type[Any]) -> None:
         self._module_type = module_type
-        self._self_names: dict[CodeType, str | None] = {}
+        self._self_names: dict[int, tuple[CodeType, str | None]] = {}  # id(code) -> (code, kept alive; name)
 
     def on_stack(self, frame: FrameType | None) -> tuple[ModuleRef, ...]:
         found: list[ModuleRef] = []
         names = self._self_names
         while frame is not None:
             code = frame.f_code
-            if code in names:
-                name = names[code]
-            else:
-                name = names[code] = self._self_name(code, frame.f_globals)
+            known = names.get(id(code))
+            if known is None:
+                known = names[id(code)] = (code, self._self_name(code, frame.f_globals))
+            name = known[1]
             if name is not None:
                 candidate = frame.f_locals.get(name)
                 if isinstance(candidate, self._module_type):
