@@ -181,6 +181,35 @@ def test_a_cache_made_in_a_thread_of_its_own_is_unattributed() -> None:
     assert (found[UNATTRIBUTED_OWNER].bytes, found[UNATTRIBUTED_OWNER].caches) == (allocated(*made), 1)
 
 
+TWIN_SOURCE = """
+import torch
+from transformers import DynamicCache
+
+class Stage(torch.nn.Module):
+    def forward(self):
+        self.cache = DynamicCache()
+"""
+
+
+def twin_stage(filename: str) -> type[torch.nn.Module]:
+    """The same class source compiled from two files: the two `forward` code objects compare equal."""
+    namespace: dict[str, Any] = {}
+    exec(compile(TWIN_SOURCE, filename, "exec"), namespace)
+    stage: type[torch.nn.Module] = namespace["Stage"]
+    return stage
+
+
+def test_methods_whose_code_compares_equal_still_name_their_own_modules() -> None:
+    first, second = twin_stage("first_stage.py"), twin_stage("second_stage.py")
+    assert first.forward.__code__ == second.forward.__code__
+    model = torch.nn.ModuleDict({"a": first(), "b": second()})
+    observe.attach(model, ["b"])
+    model["a"]()
+    model["b"]()
+    found = by_owner(sample())
+    assert (found["a"].caches, found["b"].caches) == (1, 1)
+
+
 def test_a_second_attach_with_more_declarers_attributes_new_caches_to_them() -> None:
     model = Omni()
     observe.attach(model, declaring_owners(model))

@@ -61,17 +61,20 @@ class ModelMap:
         return self.root() is _unwrap(model) and self.declaring == frozenset(declaring_owner_paths)
 
     def _build_sites(self, by_class: dict[type, list[str]], module_type: type[Any]) -> dict[int, _Site]:
-        paths_by_code: dict[CodeType, list[str]] = {}
-        wanted_codes: set[CodeType] = set()
+        # By id, here too: two methods with the same name, line and body in different files compare equal.
+        codes: dict[int, CodeType] = {}
+        paths_by_code: dict[int, list[str]] = {}
+        wanted_codes: set[int] = set()
         for cls, paths in by_class.items():
             wanted = any(path in self.declaring or path == "" for path in paths)
-            for code in set(_method_codes(cls, module_type)):
-                paths_by_code.setdefault(code, []).extend(paths)
+            for code in {id(code): code for code in _method_codes(cls, module_type)}.values():
+                codes[id(code)] = code
+                paths_by_code.setdefault(id(code), []).extend(paths)
                 if wanted:
-                    wanted_codes.add(code)
+                    wanted_codes.add(id(code))
         return {
-            id(code): _Site(code, paths[0] if len(paths) == 1 else None, code in wanted_codes)
-            for code, paths in paths_by_code.items()
+            key: _Site(codes[key], paths[0] if len(paths) == 1 else None, key in wanted_codes)
+            for key, paths in paths_by_code.items()
         }
 
     def owner_at(self, frame: FrameType | None) -> str:
