@@ -79,13 +79,14 @@ def test_a_tensor_without_storage_makes_the_sample_unavailable_until_it_is_gone(
 
 
 @pytest.mark.usefixtures("observer")
-def test_a_sample_that_fails_says_why_and_the_next_one_is_tried() -> None:
+def test_a_sample_that_fails_says_why_and_the_next_one_is_tried(caplog: pytest.LogCaptureFixture) -> None:
     _, cache = model_and_cache()
     cache.layers[1].values = "not a tensor"
-    failed = observe.observe(pause=lambda: None)
-    assert failed.state is ObservationState.FAILING
+    failed, again = observe_twice()
+    assert failed.state is again.state is ObservationState.FAILING
     assert "expected a torch.Tensor" in failed.reason
     assert failed.taken_at > 0
+    assert warnings_logged(caplog, "the sample failed") == 1
     cache.layers[1].values = cache.layers[1].keys.clone()
     assert by_owner(sample())[UNATTRIBUTED_OWNER].bytes == measure_cache_bytes(cache).allocated_bytes
 

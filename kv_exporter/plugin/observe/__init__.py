@@ -32,7 +32,7 @@ CACHE_BASE = "Cache"
 
 
 class _Observer:
-    """This process's observation: the registry of live caches, the model's declarers, the device, the thread."""
+    """This process's observation: the registry of live caches (and the model), the device, the thread."""
 
     def __init__(self) -> None:
         self.registry = Registry()
@@ -69,7 +69,9 @@ class _Observer:
             warn_once("observe:storage", "kv-exporter: cache observation unavailable: %s", reason)
             return self._result(ObservationState.UNAVAILABLE, reason, taken_at, started)
         except Exception as exc:
-            return self._result(ObservationState.FAILING, f"the sample failed: {exc!r}", taken_at, started)
+            reason = f"the sample failed: {exc!r}"
+            warn_once("observe:failing", "kv-exporter: %s; trying again at the next interval", reason)
+            return self._result(ObservationState.FAILING, reason, taken_at, started)
         model = self.registry.model
         for owner in model.declaring if model is not None else ():  # a declarer holding nothing shows 0
             totals.setdefault(owner, (0, 0))

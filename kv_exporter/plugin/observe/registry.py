@@ -66,7 +66,7 @@ class Registry:
             entry.pending = ()
         else:
             entry.owner = None
-            entry.pending = self._stack_modules.on_stack(frame) if self._stack_modules is not None else ()
+            entry.pending = self._modules_on_stack(frame)
         self.live[id(entry)] = entry
         model = self.model
         if entry.owner is None and model is not None:  # `attach` ran while this cache was being registered
@@ -81,6 +81,15 @@ class Registry:
                 "observe:owner", "kv-exporter: cannot attribute a cache (%s); counting it as unattributed", repr(exc)
             )
             return UNATTRIBUTED_OWNER
+
+    def _modules_on_stack(self, frame: FrameType | None) -> tuple[ModuleRef, ...]:
+        if self._stack_modules is None:
+            return ()
+        try:
+            return self._stack_modules.on_stack(frame)
+        except Exception as exc:  # as above: the cache is counted, it will be unattributed
+            warn_once("observe:stack", "kv-exporter: cannot read a cache's creating stack (%s)", repr(exc))
+            return ()
 
     @staticmethod
     def _settle(entry: Entry, model: ModelMap) -> None:

@@ -145,6 +145,8 @@ class Sampler:
     def _run(self) -> None:
         while not self._stopping.wait(self.interval_s):
             observation = self._take()
+            if self._stopping.is_set():  # stopped meanwhile: the manifests may be being removed
+                return
             try:
                 self.on_sample(observation)
             except Exception as exc:
