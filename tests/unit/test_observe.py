@@ -254,6 +254,19 @@ def test_a_sample_holds_no_cache_while_it_pauses() -> None:
     assert sum(owner.caches for owner in observation.owners) < 2000  # those released at the pause are not counted
 
 
+def cache_doubled(x: torch.Tensor) -> torch.Tensor:
+    cache = DynamicCache()
+    keys, _ = cache.update(x, x, 0)
+    return keys * 2
+
+
+def test_code_that_makes_a_cache_still_compiles_with_fullgraph() -> None:
+    """dynamo cannot trace the frame walk (sys._getframe): tracking must step aside while it traces."""
+    x = torch.ones(1, 2, 3, 4)
+    compiled = torch.compile(cache_doubled, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), cache_doubled(x))
+
+
 def test_the_forward_passes_still_see_their_own_results() -> None:
     """Tracking changes nothing the model computes: the same logits with and without it."""
     model = build(Qwen2ForCausalLM, full_config(), torch.float32)

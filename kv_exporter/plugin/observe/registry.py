@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from types import FrameType
 from typing import Any
 
@@ -152,6 +152,7 @@ def _tracking_new(cache_base: type[Any], own_new: Any, tracker: _Tracker) -> Any
     """The `__new__` to put on `cache_base`: create the instance as before, then track it, never raising."""
     original = getattr(own_new, "__func__", own_new)  # a `__new__` the class defines itself, else None
     object_new = object.__new__
+    is_compiling = _compiling_test()
 
     def __new__(cls: type[Any], *args: Any, **kwargs: Any) -> Any:
         if original is not None:
@@ -161,7 +162,7 @@ def _tracking_new(cache_base: type[Any], own_new: Any, tracker: _Tracker) -> Any
             # object.__new__ refuses arguments once a class overrides __new__; __init__ takes them.
             instance = object_new(cls) if upstream is object_new else upstream(cls, *args, **kwargs)
         registry = tracker.registry
-        if registry is not None:
+        if registry is not None and not is_compiling():
             try:
                 registry.track(instance, sys._getframe(1))
             except Exception as exc:
@@ -170,3 +171,12 @@ def _tracking_new(cache_base: type[Any], own_new: Any, tracker: _Tracker) -> Any
 
     setattr(__new__, PATCHED_MARK, tracker)
     return __new__
+
+
+def _compiling_test() -> Callable[[], bool]:
+    """torch.compiler.is_compiling: True while dynamo traces. The frame walk is not traceable (sys._getframe) and
+    would break a fullgraph compile of code that makes a cache. The price: a cache made inside compiled code and
+    kept after it goes uncounted (dynamo recreates it at run time with `object.__new__`, past this one)."""
+    compiler = getattr(sys.modules.get("torch"), "compiler", None)
+    test = getattr(compiler, "is_compiling", None)
+    return test if callable(test) else lambda: False
