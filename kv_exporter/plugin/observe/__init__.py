@@ -113,8 +113,10 @@ def patch_cache_module(module: ModuleType) -> None:
 
 
 def patches(settings: HookSettings) -> dict[str, Callable[[ModuleType], None]]:
-    """What the plugin's post-import hook patches for observation (nothing when it is off); fixes this process's
-    interval to `settings`'."""
+    """What the plugin's post-import hook patches for observation (nothing when it is off).
+
+    Also fixes this process's interval to the one in `settings`.
+    """
     _observer.interval_s = settings.observe_interval_s
     return {CACHE_MODULE: patch_cache_module} if settings.observing else {}
 
