@@ -20,22 +20,60 @@ torch is imported lazily: importing ``kv_exporter`` must never import torch (the
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CacheBytes", "LayerBytes", "StorageUnavailable", "held_bytes", "inner_caches", "measure_cache_bytes"]
+__all__ = [
+    "CacheBytes",
+    "LayerBytes",
+    "SeenStorages",
+    "StorageUnavailable",
+    "held_bytes",
+    "inner_caches",
+    "measure_cache_bytes",
+]
 
 # EncoderDecoderCache has no `.layers`; it holds two ordinary caches under these names.
 _SUB_CACHES = ("self_attention_cache", "cross_attention_cache")
 
-# The storages counted so far: base pointers per device (views and layers sharing KV point at the same one).
-# Plain ints, not a (device, pointer) tuple per tensor: tens of thousands of tuples cost ~5 ms just to free.
-SeenStorages = dict[object, set[int]]
-
 
 class StorageUnavailable(TypeError):
     """A cache tensor whose storage torch will not show (a sparse or a wrapper tensor): its bytes are unknown."""
+
+
+class SeenStorages:
+    """The storages counted so far: base pointers per device (views and layers sharing KV point at the same one).
+
+    Plain ints in `SHARDS` small sets, for the sampler's sake: one set growing past ~20,000 keys rehashes them
+    all at once (~1.4 ms), and as many (device, pointer) tuples take ~5 ms to free.
+    """
+
+    SHARDS = 61  # a prime: pointers aligned to any power of two still spread evenly
+
+    __slots__ = ("_by_device",)
+
+    def __init__(self) -> None:
+        self._by_device: dict[object, list[set[int]]] = {}
+
+    def add(self, device: object, pointer: int) -> bool:
+        """True when this storage was not seen yet (it is now)."""
+        shards = self._by_device.get(device)
+        if shards is None:
+            shards = self._by_device[device] = [set() for _ in range(self.SHARDS)]
+        shard = shards[pointer % self.SHARDS]
+        if pointer in shard:
+            return False
+        shard.add(pointer)
+        return True
+
+    def clear(self, between: Callable[[], None]) -> None:
+        """Forget every storage, one shard at a time, calling `between` after each."""
+        for shards in self._by_device.values():
+            for shard in shards:
+                shard.clear()
+                between()
+        self._by_device.clear()
 
 
 @dataclass(frozen=True)
@@ -85,7 +123,7 @@ def measure_cache_bytes(cache: object) -> CacheBytes:
     """
     import torch  # lazily: kv_exporter must stay importable without torch
 
-    seen: SeenStorages = {}
+    seen = SeenStorages()
     per_layer = tuple(
         _measure_layer(f"{prefix}layers[{index}]", layer, torch.Tensor, seen)
         for prefix, layers in _walk(cache, "")
@@ -182,12 +220,4 @@ def _new_storage_bytes(tensor: Any, seen: SeenStorages) -> int:
     nbytes: int = storage.nbytes()
     if nbytes == 0:
         return 0
-    device = tensor.device
-    pointers = seen.get(device)
-    if pointers is None:
-        pointers = seen[device] = set()
-    pointer = storage.data_ptr()
-    if pointer in pointers:
-        return 0
-    pointers.add(pointer)
-    return nbytes
+    return nbytes if seen.add(tensor.device, storage.data_ptr()) else 0
