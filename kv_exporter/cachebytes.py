@@ -20,14 +20,60 @@ torch is imported lazily: importing ``kv_exporter`` must never import torch (the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CacheBytes", "LayerBytes", "measure_cache_bytes"]
+__all__ = [
+    "CacheBytes",
+    "LayerBytes",
+    "SeenStorages",
+    "StorageUnavailable",
+    "held_bytes",
+    "inner_caches",
+    "measure_cache_bytes",
+]
 
 # EncoderDecoderCache has no `.layers`; it holds two ordinary caches under these names.
 _SUB_CACHES = ("self_attention_cache", "cross_attention_cache")
+
+
+class StorageUnavailable(TypeError):
+    """A cache tensor whose storage torch will not show (a sparse or a wrapper tensor): its bytes are unknown."""
+
+
+class SeenStorages:
+    """The storages counted so far: base pointers per device (views and layers sharing KV point at the same one).
+
+    Plain ints in `SHARDS` small sets, for the sampler's sake: one set growing past ~20,000 keys rehashes them
+    all at once (~1.4 ms), and as many (device, pointer) tuples take ~5 ms to free.
+    """
+
+    SHARDS = 61  # a prime: pointers aligned to any power of two still spread evenly
+
+    __slots__ = ("_by_device",)
+
+    def __init__(self) -> None:
+        self._by_device: dict[object, list[set[int]]] = {}
+
+    def add(self, device: object, pointer: int) -> bool:
+        """True when this storage was not seen yet (it is now)."""
+        shards = self._by_device.get(device)
+        if shards is None:
+            shards = self._by_device[device] = [set() for _ in range(self.SHARDS)]
+        shard = shards[pointer % self.SHARDS]
+        if pointer in shard:
+            return False
+        shard.add(pointer)
+        return True
+
+    def clear(self, between: Callable[[], None]) -> None:
+        """Forget every storage, one shard at a time, calling `between` after each."""
+        for shards in self._by_device.values():
+            for shard in shards:
+                shard.clear()
+                between()
+        self._by_device.clear()
 
 
 @dataclass(frozen=True)
@@ -72,12 +118,17 @@ def measure_cache_bytes(cache: object) -> CacheBytes:
 
     Accepts any cache with ``.layers`` (DynamicCache, StaticCache, ...) and EncoderDecoderCache. A layer
     whose ``keys`` is still ``None`` (a StaticCache layer before its first update, a KV-sharing dummy layer)
-    counts 0. Raises ``TypeError`` for an object that is not a transformers cache.
+    counts 0. Raises ``TypeError`` for an object that is not a transformers cache, ``StorageUnavailable`` for
+    a tensor without an accessible storage.
     """
     import torch  # lazily: kv_exporter must stay importable without torch
 
-    seen_storages: set[tuple[str, int]] = set()
-    per_layer = tuple(_measure_layer(path, layer, torch.Tensor, seen_storages) for path, layer in _walk(cache, ""))
+    seen = SeenStorages()
+    per_layer = tuple(
+        _measure_layer(f"{prefix}layers[{index}]", layer, torch.Tensor, seen)
+        for prefix, layers in _walk(cache, "")
+        for index, layer in enumerate(layers)
+    )
     return CacheBytes(
         shown_bytes=sum(layer.shown_bytes for layer in per_layer),
         allocated_bytes=sum(layer.allocated_bytes for layer in per_layer),
@@ -87,12 +138,37 @@ def measure_cache_bytes(cache: object) -> CacheBytes:
     )
 
 
-def _walk(cache: object, prefix: str) -> Iterator[tuple[str, object]]:
-    """Yield ``(path, layer)`` for every layer object, descending into encoder-decoder caches."""
+def held_bytes(cache: object, seen: SeenStorages) -> int:
+    """The storage bytes behind `cache`'s K and V that are not in `seen` yet; adds what it counts to `seen`.
+
+    With an empty `seen`, ``measure_cache_bytes(cache).allocated_bytes``; with one `seen` shared across caches,
+    every storage counted once over all of them. Reads metadata only (no device synchronisation) and formats no
+    paths: the observation sampler's measurement. Raises as `measure_cache_bytes` does.
+    """
+    import torch
+
+    tensor_type = torch.Tensor
+    total = 0
+    for _, layers in _walk(cache, ""):
+        for layer in layers:
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if tensor is not None:
+                    total += _new_storage_bytes(_checked(tensor, tensor_type, "a layer"), seen)
+    return total
+
+
+def inner_caches(cache: object) -> tuple[object, ...]:
+    """The caches an EncoderDecoderCache holds (its two halves); empty for a cache with ``.layers``."""
+    if isinstance(getattr(cache, "layers", None), (list, tuple)):
+        return ()
+    return tuple(sub for sub in (getattr(cache, name, None) for name in _SUB_CACHES) if sub is not None)
+
+
+def _walk(cache: object, prefix: str) -> Iterator[tuple[str, Sequence[object]]]:
+    """Yield ``(path prefix, layers)`` for each layer list, descending into encoder-decoder caches."""
     layers = getattr(cache, "layers", None)
     if isinstance(layers, (list, tuple)):
-        for index, layer in enumerate(layers):
-            yield f"{prefix}layers[{index}]", layer
+        yield prefix, tuple(layers)  # a copy: another thread may append a layer while we read
         return
     sub_caches = [(name, getattr(cache, name, None)) for name in _SUB_CACHES]
     if all(sub is None for _, sub in sub_caches):
@@ -104,7 +180,13 @@ def _walk(cache: object, prefix: str) -> Iterator[tuple[str, object]]:
             yield from _walk(sub, f"{prefix}{name}.")
 
 
-def _measure_layer(path: str, layer: object, tensor_type: type[Any], seen: set[tuple[str, int]]) -> LayerBytes:
+def _checked(tensor: object, tensor_type: type[Any], where: str) -> Any:
+    if not isinstance(tensor, tensor_type):
+        raise TypeError(f"{where}: expected a torch.Tensor or None, got {type(tensor).__name__}")
+    return tensor
+
+
+def _measure_layer(path: str, layer: object, tensor_type: type[Any], seen: SeenStorages) -> LayerBytes:
     keys = getattr(layer, "keys", None)
     values = getattr(layer, "values", None)
     shown = 0
@@ -112,8 +194,7 @@ def _measure_layer(path: str, layer: object, tensor_type: type[Any], seen: set[t
     for tensor in (keys, values):
         if tensor is None:
             continue
-        if not isinstance(tensor, tensor_type):
-            raise TypeError(f"{path}: expected a torch.Tensor or None, got {type(tensor).__name__}")
+        _checked(tensor, tensor_type, path)
         shown += tensor.numel() * tensor.element_size()
         allocated += _new_storage_bytes(tensor, seen)
     positions = int(keys.shape[-2]) if keys is not None and keys.dim() >= 2 else 0
@@ -126,18 +207,17 @@ def _measure_layer(path: str, layer: object, tensor_type: type[Any], seen: set[t
     )
 
 
-def _new_storage_bytes(tensor: Any, seen: set[tuple[str, int]]) -> int:
+def _new_storage_bytes(tensor: Any, seen: SeenStorages) -> int:
     """Bytes of the tensor's storage unless an earlier tensor already counted it.
 
     Keyed by device and data pointer: views (a sliding window's slice) and layers sharing KV point at the
     same storage. Empty storages all report pointer 0 and hold nothing, so they are skipped rather than keyed.
     """
-    storage = tensor.untyped_storage()
-    nbytes = int(storage.nbytes())
+    try:
+        storage = tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError) as exc:  # torch's answer for sparse, nested and wrapper tensors
+        raise StorageUnavailable(f"a cache holds a {type(tensor).__name__} without a readable storage ({exc})") from exc
+    nbytes: int = storage.nbytes()
     if nbytes == 0:
         return 0
-    key = (str(tensor.device), int(storage.data_ptr()))
-    if key in seen:
-        return 0
-    seen.add(key)
-    return nbytes
+    return nbytes if seen.add(tensor.device, storage.data_ptr()) else 0

@@ -4,8 +4,12 @@ vLLM calls `register()` in every process it starts (API server, engine core, wor
 import hook: the runner and worker modules are patched when a process imports them, which only processes
 that load a model do. Importing this package imports neither torch nor vllm.
 
+It also patches transformers' cache base class when a process imports it, to observe the live caches
+(`observe`); KV_EXPORTER_OBSERVE_INTERVAL=0 leaves it alone.
+
 Environment: KV_EXPORTER_DISABLE=1 turns the hook off; KV_EXPORTER_DIR names the manifest folder (default
-/run/kv-exporter, see `settings`); KV_EXPORTER_COLLECTOR=auto|vllm_omni|kv_exporter picks the collector.
+/run/kv-exporter, see `settings`); KV_EXPORTER_COLLECTOR=auto|vllm_omni|kv_exporter picks the collector;
+KV_EXPORTER_OBSERVE_INTERVAL is the seconds between two observations (default 10, 0: off).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from kv_exporter.plugin import observe
 from kv_exporter.plugin.hooks import MethodHook, install_on_module, install_post_import
 from kv_exporter.plugin.oncelog import warn_once
 from kv_exporter.plugin.settings import HookSettings
@@ -82,9 +87,11 @@ def register() -> None:
     if _registered:
         return
     try:
-        if HookSettings.from_environ().disabled:
+        settings = HookSettings.from_environ()
+        if settings.disabled:
             return
         _registered = True
-        install_post_import({hook.module: _patcher(hook.module) for hook in HOOKS})
+        patches = {hook.module: _patcher(hook.module) for hook in HOOKS}
+        install_post_import(patches | observe.patches(settings))
     except Exception as exc:
         warn_once("register", "kv-exporter: plugin registration failed (%r); vLLM runs without it", exc)

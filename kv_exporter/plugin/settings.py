@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Mapping
@@ -9,10 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kv_exporter.manifest import COLLECTORS, DEFAULT_MANIFEST_DIR
+from kv_exporter.plugin.oncelog import warn_once
 
 ENV_DISABLE = "KV_EXPORTER_DISABLE"
 ENV_DIR = "KV_EXPORTER_DIR"
 ENV_COLLECTOR = "KV_EXPORTER_COLLECTOR"
+ENV_OBSERVE_INTERVAL = "KV_EXPORTER_OBSERVE_INTERVAL"
+
+# Seconds between two observations of the live caches; 0 turns observation off (nothing is patched).
+DEFAULT_OBSERVE_INTERVAL_S = 10.0
 
 # Used only when the default cannot be written (a non-root process outside the deploy); never for an explicit
 # KV_EXPORTER_DIR, which must not be silently redirected.
@@ -30,6 +36,11 @@ class HookSettings:
     directory: Path
     explicit_directory: bool  # KV_EXPORTER_DIR was set: no fallback
     collector: str  # "auto": vllm-omni's when available, else ours; or one of COLLECTORS
+    observe_interval_s: float = DEFAULT_OBSERVE_INTERVAL_S  # 0: observation off
+
+    @property
+    def observing(self) -> bool:
+        return not self.disabled and self.observe_interval_s > 0
 
     @property
     def fallback_directory(self) -> Path:
@@ -45,4 +56,25 @@ class HookSettings:
             directory=Path(folder or DEFAULT_MANIFEST_DIR),
             explicit_directory=bool(folder),
             collector=collector if collector in COLLECTOR_CHOICES else COLLECTOR_AUTO,
+            observe_interval_s=observe_interval(env.get(ENV_OBSERVE_INTERVAL)),
         )
+
+
+def observe_interval(text: str | None) -> float:
+    """KV_EXPORTER_OBSERVE_INTERVAL in seconds: unset or empty -> the default; a bad value -> the default, warned."""
+    if text is None or not text.strip():
+        return DEFAULT_OBSERVE_INTERVAL_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 0:
+        warn_once(
+            "observe-interval",
+            "kv-exporter: %s=%r is not a number of seconds >= 0; observing every %g s",
+            ENV_OBSERVE_INTERVAL,
+            text,
+            DEFAULT_OBSERVE_INTERVAL_S,
+        )
+        return DEFAULT_OBSERVE_INTERVAL_S
+    return value

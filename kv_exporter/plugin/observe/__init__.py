@@ -1,0 +1,186 @@
+"""Observed beside declared: what the live transformers caches of this worker really hold, per owner.
+
+The plugin's `register()` adds `CACHE_MODULE: patch_cache_module` to its post-import hook (`patches`), so the
+cache base class is patched when transformers defines it; with KV_EXPORTER_OBSERVE_INTERVAL=0 nothing is patched
+and no thread starts. The publisher, once the model is loaded, calls `attach(model, declaring_owner_paths,
+device)` and `start(on_sample)`; `observe()` takes one sample now. Every failure here degrades the observation
+(`ObservationState.UNAVAILABLE` or `FAILING`, with a reason and one warning); none reaches transformers or vLLM.
+
+torch and transformers are never imported here: the patch runs when transformers has imported both.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from collections.abc import Callable, Collection
+from types import ModuleType
+from typing import Any
+
+from kv_exporter.cachebytes import StorageUnavailable
+from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation
+from kv_exporter.plugin.observe.registry import Registry
+from kv_exporter.plugin.observe.sampler import Pacer, Sampler, cuda_memory, measure
+from kv_exporter.plugin.oncelog import warn_once
+from kv_exporter.plugin.settings import HookSettings
+
+__all__ = ["CACHE_MODULE", "attach", "observe", "patch_cache_module", "patches", "start", "stop"]
+
+CACHE_MODULE = "transformers.cache_utils"
+CACHE_BASE = "Cache"
+
+
+class _Observer:
+    """This process's observation: the registry of live caches (and the model), the device, the thread."""
+
+    def __init__(self) -> None:
+        self.registry = Registry()
+        self.interval_s: float | None = None  # from the environment, read once
+        self.device_index: int | None = None
+        self.sampler: Sampler | None = None
+        self._transformers_missing: bool | None = None
+
+    def interval(self) -> float:
+        if self.interval_s is None:
+            self.interval_s = HookSettings.from_environ().observe_interval_s
+        return self.interval_s
+
+    def transformers_missing(self) -> bool:
+        if self._transformers_missing is None:
+            try:
+                self._transformers_missing = importlib.util.find_spec("transformers") is None
+            except (ImportError, ValueError):  # an import blocker, or sys.modules["transformers"] = None
+                self._transformers_missing = True
+        return self._transformers_missing
+
+    def observe(self, pause: Callable[[], None] | None = None) -> Observation:
+        interval = self.interval()
+        if interval <= 0:
+            return Observation(ObservationState.OFF, "", 0.0, 0.0, 0.0)
+        taken_at, started = time.time(), time.perf_counter()
+        reason = self.unavailable_reason()
+        if reason:
+            return self._result(ObservationState.UNAVAILABLE, reason, taken_at, started)
+        try:
+            totals = measure(self.registry.entries(), Pacer(pause))
+        except StorageUnavailable as exc:
+            reason = str(exc)  # only the text: the exception's frames would keep the cache alive
+            warn_once("observe:storage", "kv-exporter: cache observation unavailable: %s", reason)
+            return self._result(ObservationState.UNAVAILABLE, reason, taken_at, started)
+        except Exception as exc:
+            reason = f"the sample failed: {exc!r}"
+            warn_once("observe:failing", "kv-exporter: %s; trying again at the next interval", reason)
+            return self._result(ObservationState.FAILING, reason, taken_at, started)
+        model = self.registry.model
+        for owner in model.declaring if model is not None else ():  # a declarer holding nothing shows 0
+            totals.setdefault(owner, (0, 0))
+        owners = tuple(OwnerObservation(owner, held, caches) for owner, (held, caches) in sorted(totals.items()))
+        return self._result(ObservationState.OK, "", taken_at, started, owners)
+
+    def unavailable_reason(self) -> str:
+        if self.registry.unavailable:
+            return self.registry.unavailable
+        if self.registry.installed_on is None and self.transformers_missing():
+            warn_once("observe:no-transformers", "kv-exporter: transformers is not installed; no caches to observe")
+            return "transformers is not installed"
+        return ""
+
+    def _result(
+        self,
+        state: ObservationState,
+        reason: str,
+        taken_at: float,
+        started: float,
+        owners: tuple[OwnerObservation, ...] = (),
+    ) -> Observation:
+        cuda: CudaMemory | None = cuda_memory(self.device_index)
+        duration = time.perf_counter() - started
+        return Observation(state, reason, self.interval(), taken_at, duration, owners, cuda)
+
+
+_observer = _Observer()
+
+
+def patch_cache_module(module: ModuleType) -> None:
+    """The post-import patch of `CACHE_MODULE`: track every cache from now on."""
+    cache_base = getattr(module, CACHE_BASE, None)
+    torch: Any = sys.modules.get("torch")
+    if not isinstance(cache_base, type) or torch is None:
+        _observer.registry.mark_unavailable("no-cache-class", f"{module.__name__} has no {CACHE_BASE} class")
+        return
+    _observer.registry.install(cache_base, torch.nn.Module)
+
+
+def patches(settings: HookSettings) -> dict[str, Callable[[ModuleType], None]]:
+    """What the plugin's post-import hook patches for observation (nothing when it is off).
+
+    Also fixes this process's interval to the one in `settings`.
+    """
+    _observer.interval_s = settings.observe_interval_s
+    return {CACHE_MODULE: patch_cache_module} if settings.observing else {}
+
+
+def attach(model: object, declaring_owner_paths: Collection[str], device: object = None) -> None:
+    """Attribute caches to `model`'s modules from now on, and those created before (during load) now.
+
+    `declaring_owner_paths`: the owners of the manifest's declarations. `device`: the worker's torch device
+    (a CUDA one adds the allocator's figures); call this from the worker's own thread. Never raises.
+    """
+    if _observer.interval() <= 0:
+        return
+    try:
+        torch: Any = sys.modules.get("torch")
+        module_type = torch.nn.Module if torch is not None else object
+        _observer.device_index = _cuda_index(device, torch)
+        _observer.registry.attach(model, declaring_owner_paths, module_type)
+    except Exception as exc:
+        warn_once("observe:attach", "kv-exporter: cannot attribute caches to the model's modules (%s)", repr(exc))
+
+
+def _cuda_index(device: object, torch: Any) -> int | None:
+    if getattr(device, "type", None) != "cuda" or torch is None:
+        return None
+    index = getattr(device, "index", None)
+    if index is None and torch.cuda.is_initialized():
+        index = torch.cuda.current_device()  # this thread's: the worker's own device
+    return None if index is None else int(index)
+
+
+def observe(pause: Callable[[], None] | None = None) -> Observation:
+    """One sample now, in this thread (paused between slices with `pause`, default a short sleep)."""
+    return _observer.observe(pause)
+
+
+def start(on_sample: Callable[[Observation], None]) -> bool:
+    """Sample every KV_EXPORTER_OBSERVE_INTERVAL seconds in a daemon thread; False (and no thread) when off.
+
+    Idempotent: a running sampler only takes the new `on_sample`. The thread stops at exit, before the
+    manifests are cleaned up.
+    """
+    interval = _observer.interval()
+    if interval <= 0:
+        return False
+    sampler = _observer.sampler
+    if sampler is not None and sampler.running:
+        sampler.on_sample = on_sample
+        return True
+    try:
+        _observer.sampler = Sampler(interval, _observer.observe, on_sample)
+    except Exception as exc:
+        warn_once("observe:start", "kv-exporter: cannot start the observation thread (%s)", repr(exc))
+        return False
+    return True
+
+
+def stop() -> None:
+    if _observer.sampler is not None:
+        _observer.sampler.stop()
+
+
+def reset_for_tests() -> None:
+    """Stop the thread, stop tracking, and forget everything (tests only)."""
+    global _observer
+    stop()
+    _observer.registry.detach()
+    _observer = _Observer()

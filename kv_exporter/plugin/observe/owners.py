@@ -1,0 +1,185 @@
+"""Which module a cache belongs to, decided when it is created, by walking the creating thread's frames.
+
+The owner is the innermost declaring owner whose code is on the stack (at any depth: a helper function it calls
+counts), else the innermost module of the model whose code is, else `UNATTRIBUTED_OWNER`. Paths are the
+`named_modules()` paths of the unwrapped model, as the collector records declaration owners.
+
+Once the model is known (`ModelMap`) the walk looks each frame's code object up in a dictionary built from the
+methods of the model's module classes, by identity (Python hashes a code object's whole content on every lookup,
+~0.2-0.5 us), and reads a frame's `self` only where several modules share that code and the answer matters; it
+stops at the model's root. Before the model is known (during load), `StackModules` records weak references to the
+modules whose methods are on the stack, and `ModelMap.resolve` names them later.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable, Collection, Iterator, Sequence
+from types import CodeType, FrameType, FunctionType
+from typing import Any
+
+from kv_exporter.observation import UNATTRIBUTED_OWNER
+from kv_exporter.protocol import _unwrap  # the collector's own unwrapping: the same paths as the declarations
+
+ModuleRef = weakref.ref[Any]
+
+
+class _Site:
+    """One code object of the model's module classes."""
+
+    __slots__ = ("code", "path", "self_name", "wanted")
+
+    def __init__(self, code: CodeType, path: str | None, wanted: bool) -> None:
+        self.code = code  # kept alive: the sites are keyed by its id
+        self.path = path  # the one module running this code; None when several share it (told apart by `self`)
+        self.self_name = code.co_varnames[0]  # the name of its first parameter
+        self.wanted = wanted  # worth reading above the innermost module: one of its modules declares or is the root
+
+
+class ModelMap:
+    """The model's modules, by path and by the code they run. Holds the model weakly."""
+
+    def __init__(
+        self,
+        model: object,
+        declaring_owner_paths: Collection[str],
+        module_type: type[Any],
+        on_release: Callable[[ModuleRef], None] | None = None,
+    ) -> None:
+        root = _unwrap(model)
+        self.root: ModuleRef = weakref.ref(root, on_release)
+        self.declaring = frozenset(declaring_owner_paths)
+        self._paths: dict[int, str] = {}
+        by_class: dict[type, list[str]] = {}
+        for path, module in root.named_modules():  # type: ignore[attr-defined]
+            self._paths[id(module)] = path
+            by_class.setdefault(type(module), []).append(path)
+        self._sites = self._build_sites(by_class, module_type)
+
+    def describes(self, model: object, declaring_owner_paths: Collection[str]) -> bool:
+        return self.root() is _unwrap(model) and self.declaring == frozenset(declaring_owner_paths)
+
+    def _build_sites(self, by_class: dict[type, list[str]], module_type: type[Any]) -> dict[int, _Site]:
+        # By id, here too: two methods with the same name, line and body in different files compare equal.
+        codes: dict[int, CodeType] = {}
+        paths_by_code: dict[int, list[str]] = {}
+        wanted_codes: set[int] = set()
+        for cls, paths in by_class.items():
+            wanted = any(path in self.declaring or path == "" for path in paths)
+            for code in {id(code): code for code in _method_codes(cls, module_type)}.values():
+                codes[id(code)] = code
+                paths_by_code.setdefault(id(code), []).extend(paths)
+                if wanted:
+                    wanted_codes.add(id(code))
+        return {
+            key: _Site(codes[key], paths[0] if len(paths) == 1 else None, key in wanted_codes)
+            for key, paths in paths_by_code.items()
+        }
+
+    def owner_at(self, frame: FrameType | None) -> str:
+        """The owner of a cache created by `frame` (the caller of the cache class's `__new__`)."""
+        sites, paths, declaring = self._sites, self._paths, self.declaring
+        innermost: str | None = None
+        while frame is not None:
+            site = sites.get(id(frame.f_code))
+            if site is not None and (innermost is None or site.wanted):
+                path = site.path
+                if path is None:
+                    path = paths.get(id(frame.f_locals.get(site.self_name)))
+                if path is not None:
+                    if path in declaring:
+                        return path
+                    if innermost is None:
+                        innermost = path
+                    if path == "":  # the root: no frame further out runs the model's code
+                        break
+            frame = frame.f_back
+        return UNATTRIBUTED_OWNER if innermost is None else innermost
+
+    def resolve(self, modules: Sequence[ModuleRef]) -> str:
+        """The owner of a cache created before the model was known, from the modules on its stack then."""
+        innermost: str | None = None
+        for ref in modules:
+            module = ref()
+            path = None if module is None else self._paths.get(id(module))
+            if path is None:
+                continue
+            if path in self.declaring:
+                return path
+            if innermost is None:
+                innermost = path
+        return UNATTRIBUTED_OWNER if innermost is None else innermost
+
+
+def _method_codes(cls: type, module_type: type[Any]) -> Iterator[CodeType]:
+    """The code of every plain method `cls` has, own or inherited, short of torch's Module itself."""
+    stop = set(module_type.__mro__)
+    for klass in cls.__mro__:
+        if klass in stop:
+            continue
+        for value in vars(klass).values():
+            code = _method_code(value)
+            if code is not None:
+                yield code
+
+
+def _method_code(value: object) -> CodeType | None:
+    """The code a method runs: through `functools.wraps` decorators (torch.no_grad's wrapper is shared by all)."""
+    if not isinstance(value, FunctionType):
+        return None
+    function = inspect.unwrap(value)
+    code = getattr(function, "__code__", None)
+    if not isinstance(code, CodeType) or code.co_argcount < 1:
+        return None
+    return code
+
+
+class StackModules:
+    """Before the model is known: the modules whose own methods are running on a stack, innermost first.
+
+    A frame's code is matched with its defining class through its qualified name (Python 3.11+), once per code,
+    so only the frames of methods of torch Module subclasses (and of their mixins) are asked for their `self`:
+    reading a frame's locals makes Python 3.11-3.12 keep a snapshot of them until the frame returns.
+    """
+
+    def __init__(self, module_type: type[Any]) -> None:
+        self._module_type = module_type
+        self._self_names: dict[int, tuple[CodeType, str | None]] = {}  # id(code) -> (code, kept alive; name)
+
+    def on_stack(self, frame: FrameType | None) -> tuple[ModuleRef, ...]:
+        found: list[ModuleRef] = []
+        names = self._self_names
+        while frame is not None:
+            code = frame.f_code
+            known = names.get(id(code))
+            if known is None:
+                known = names[id(code)] = (code, self._self_name(code, frame.f_globals))
+            name = known[1]
+            if name is not None:
+                candidate = frame.f_locals.get(name)
+                if isinstance(candidate, self._module_type):
+                    found.append(weakref.ref(candidate))
+            frame = frame.f_back
+        return tuple(found)
+
+    def _self_name(self, code: CodeType, namespace: dict[str, Any]) -> str | None:
+        """The first parameter's name when `code` is a method a Module subclass defines, else None."""
+        qualname = getattr(code, "co_qualname", "")  # absent before Python 3.11: nothing is matched there
+        *class_path, attribute = qualname.split(".")
+        if not class_path or "<" in qualname or code.co_argcount < 1:
+            return None
+        owner: object = namespace.get(class_path[0])
+        for name in class_path[1:]:
+            owner = getattr(owner, name, None) if isinstance(owner, type) else None
+        if not (isinstance(owner, type) and self._is_module_class(owner)):
+            return None
+        if _method_code(vars(owner).get(attribute)) is not code:
+            return None
+        return code.co_varnames[0]
+
+    def _is_module_class(self, cls: type) -> bool:
+        """A Module subclass, or a mixin of one (transformers' GenerationMixin, whose `generate` makes caches)."""
+        module_type = self._module_type
+        subclasses: list[type] = type.__subclasses__(cls)
+        return issubclass(cls, module_type) or any(issubclass(sub, module_type) for sub in subclasses)

@@ -1,0 +1,145 @@
+"""One sample of every live cache, taken in short slices, and the thread that takes one every interval.
+
+A sample reads metadata only (`untyped_storage().nbytes()`, `data_ptr()`, the device): no `.item()`, no copy,
+no device synchronisation. It walks the caches in slices of about `SLICE_S` of work and sleeps `PAUSE_S` between
+two, so another thread (the model's forward, vLLM's busy loop) never waits for the GIL much longer than a slice.
+Between slices it holds no cache: a cache released meanwhile is simply not counted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing.util
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kv_exporter.cachebytes import SeenStorages, held_bytes, inner_caches
+from kv_exporter.observation import UNATTRIBUTED_OWNER, CudaMemory, Observation
+from kv_exporter.plugin.observe.registry import Entry
+from kv_exporter.plugin.oncelog import warn_once
+
+SLICE_S = 0.0004  # work done between two pauses (a probe thread then waits ~0.1 ms more to wake)
+PAUSE_S = 0.0002  # long enough for a thread waiting for the GIL to take it
+STOP_TIMEOUT_S = 5.0
+# Runs before publish's manifest cleanup (exitpriority 10): no sample may rewrite a manifest being removed.
+EXIT_PRIORITY = 20
+
+
+class Pacer:
+    """Called between two units of work; pauses once a slice of work is done."""
+
+    def __init__(self, pause: Callable[[], None] | None = None) -> None:
+        self._pause = pause or (lambda: time.sleep(PAUSE_S))
+        self._since = time.perf_counter()
+        self.pauses = 0
+
+    def __call__(self) -> None:
+        if time.perf_counter() - self._since >= SLICE_S:
+            self._pause()
+            self.pauses += 1
+            self._since = time.perf_counter()
+
+
+def measure(entries: Sequence[Entry], pace: Callable[[], None]) -> dict[str, tuple[int, int]]:
+    """owner -> (storage bytes, cache objects) over the live `entries`, each storage counted once over all.
+
+    An EncoderDecoderCache counts as one cache holding both halves; its halves are not counted again on their own.
+    """
+    halves: set[int] = set()
+    for entry in entries:
+        halves.update(_halves(entry))
+        pace()
+    seen = SeenStorages()
+    totals: dict[str, tuple[int, int]] = {}
+    for entry in entries:
+        counted = _held(entry, halves, seen)
+        if counted is not None:
+            owner, nbytes = counted
+            held, caches = totals.get(owner, (0, 0))
+            totals[owner] = (held + nbytes, caches + 1)
+        pace()
+    seen.clear(pace)  # freeing 56,000 keys (1,000 caches of 28 layers) at once would take ~1.5 ms
+    return totals
+
+
+# Each of these holds the cache only while it runs: a strong reference kept across a pause would delay a release.
+
+
+def _halves(entry: Entry) -> list[int]:
+    cache = entry()
+    return [] if cache is None else [id(half) for half in inner_caches(cache)]
+
+
+def _held(entry: Entry, halves: set[int], seen: SeenStorages) -> tuple[str, int] | None:
+    cache = entry()
+    if cache is None or id(cache) in halves:
+        return None
+    owner = UNATTRIBUTED_OWNER if entry.owner is None else entry.owner
+    return owner, held_bytes(cache, seen)
+
+
+def cuda_memory(device_index: int | None) -> CudaMemory | None:
+    """torch's allocator figures for the worker's CUDA device (host-side counters: no synchronisation).
+
+    The index is the worker's, fixed by `attach` in its own thread: CUDA's current device is per thread, and
+    asking from this one would name (and might initialise) device 0.
+    """
+    torch: Any = sys.modules.get("torch")
+    if device_index is None or torch is None:
+        return None
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        return CudaMemory(
+            allocated_bytes=int(torch.cuda.memory_allocated(device_index)),
+            reserved_bytes=int(torch.cuda.memory_reserved(device_index)),
+        )
+    except Exception as exc:
+        warn_once("observe:cuda", "kv-exporter: torch cannot report CUDA memory (%s); observing without it", repr(exc))
+        return None
+
+
+class Sampler:
+    """A daemon thread calling `take` every `interval_s` seconds and handing the result to `on_sample`."""
+
+    def __init__(
+        self, interval_s: float, take: Callable[[], Observation], on_sample: Callable[[Observation], None]
+    ) -> None:
+        self.interval_s = interval_s
+        self.on_sample = on_sample
+        self._take = take
+        self._stopping = threading.Event()
+        self._pid = os.getpid()
+        self._thread = threading.Thread(target=self._run, name="kv-exporter-observe", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)
+        # vLLM's workers end in os._exit after multiprocessing's own finalizers, which skips atexit.
+        self._finalizer = multiprocessing.util.Finalize(None, self.stop, exitpriority=EXIT_PRIORITY)
+
+    @property
+    def running(self) -> bool:
+        """False in a forked child: the thread stayed in the parent."""
+        return self._pid == os.getpid() and self._thread.is_alive() and not self._stopping.is_set()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        atexit.unregister(self.stop)
+        self._finalizer.cancel()
+        if self._pid == os.getpid() and self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(STOP_TIMEOUT_S)
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.interval_s):
+            observation = self._take()
+            if self._stopping.is_set():  # stopped meanwhile: the manifests may be being removed
+                return
+            try:
+                self.on_sample(observation)
+            except Exception as exc:
+                warn_once(
+                    "observe:on-sample", "kv-exporter: handling an observation failed (%s); still sampling", repr(exc)
+                )

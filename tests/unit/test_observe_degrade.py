@@ -1,0 +1,237 @@
+"""Observation never gets in the way: what it does when it cannot work, when it is off, and its thread.
+
+Each degradation gives the state and reason the sidecar exports, one warning however often it recurs, and a
+model that runs as before. Subprocess tests run from the checkout (the worktree's kv_exporter wins).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache, Qwen2ForCausalLM
+
+from kv_exporter.cachebytes import measure_cache_bytes
+from kv_exporter.observation import UNATTRIBUTED_OWNER, Observation, ObservationState
+from kv_exporter.plugin import observe
+from kv_exporter.plugin.oncelog import reset_for_tests
+from kv_exporter.plugin.settings import DEFAULT_OBSERVE_INTERVAL_S, HookSettings
+from tests.unit.cache_models import build, forward, full_config, prefill_and_decode, prompt
+from tests.unit.observing import by_owner, observer, sample, warnings_logged
+
+__all__ = ["observer"]  # the fixture, imported for pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+THREAD_NAME = "kv-exporter-observe"
+
+
+class TupleCache(DynamicCache, tuple):  # type: ignore[misc]
+    """A real Cache subclass that cannot be weakly referenced: a tuple base leaves no room for weak references."""
+
+
+def model_and_cache() -> tuple[Qwen2ForCausalLM, DynamicCache]:
+    model = build(Qwen2ForCausalLM, full_config(), torch.float32)
+    return model, prefill_and_decode(model, DynamicCache(), batch=1, prompt_len=5, decode_steps=1)
+
+
+def observe_twice() -> tuple[Observation, Observation]:
+    return observe.observe(pause=lambda: None), observe.observe(pause=lambda: None)
+
+
+# -- degradations --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("observer")
+def test_a_cache_class_without_weak_references_makes_the_observation_unavailable(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model, _ = model_and_cache()
+    caches = [prefill_and_decode(model, TupleCache(), batch=1, prompt_len=5, decode_steps=1) for _ in range(2)]
+    assert [cache.get_seq_length() for cache in caches] == [6, 6]  # the model ran with them
+    first, second = observe_twice()
+    assert first.state is second.state is ObservationState.UNAVAILABLE
+    assert "TupleCache cannot be weakly referenced" in first.reason
+    assert first.owners == ()
+    assert warnings_logged(caplog, "TupleCache cannot be weakly referenced") == 1
+
+
+@pytest.mark.usefixtures("observer")
+def test_a_tensor_without_storage_makes_the_sample_unavailable_until_it_is_gone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model, cache = model_and_cache()
+    cache.layers[0].keys = cache.layers[0].keys.to_sparse()
+    first, second = observe_twice()
+    assert first.state is second.state is ObservationState.UNAVAILABLE
+    assert "without a readable storage" in first.reason
+    assert warnings_logged(caplog, "without a readable storage") == 1
+    other = prefill_and_decode(model, DynamicCache(), batch=1, prompt_len=5, decode_steps=1)  # the model still runs
+    del cache
+    gc.collect()
+    assert by_owner(sample())[UNATTRIBUTED_OWNER].bytes == measure_cache_bytes(other).allocated_bytes
+
+
+@pytest.mark.usefixtures("observer")
+def test_a_sample_that_fails_says_why_and_the_next_one_is_tried(caplog: pytest.LogCaptureFixture) -> None:
+    _, cache = model_and_cache()
+    cache.layers[1].values = "not a tensor"
+    failed, again = observe_twice()
+    assert failed.state is again.state is ObservationState.FAILING
+    assert "expected a torch.Tensor" in failed.reason
+    assert failed.taken_at > 0
+    assert warnings_logged(caplog, "the sample failed") == 1
+    cache.layers[1].values = cache.layers[1].keys.clone()
+    assert by_owner(sample())[UNATTRIBUTED_OWNER].bytes == measure_cache_bytes(cache).allocated_bytes
+
+
+BLOCKED_TRANSFORMERS = """
+import json, logging, sys
+
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "transformers":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Blocker())
+warned = []
+handler = logging.Handler()
+handler.emit = lambda record: warned.append(record.getMessage())
+logging.getLogger("vllm.kv_exporter").addHandler(handler)
+
+from kv_exporter.plugin import observe, register
+register()
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+out = model(torch.ones(2, 4))
+observe.attach(model, [], torch.device("cpu"))
+first, second = observe.observe(), observe.observe()
+try:
+    import transformers
+    blocked = False
+except ImportError:
+    blocked = True
+print(json.dumps({"blocked": blocked, "shape": list(out.shape), "states": [first.state.value, second.state.value],
+                  "reason": first.reason, "warned": [w for w in warned if "transformers" in w]}))
+"""
+
+
+def run_python(code: str, **env: str) -> dict[str, object]:
+    environ = {**os.environ, "KV_EXPORTER_OBSERVE_INTERVAL": "1", **env}
+    environ.pop("KV_EXPORTER_DISABLE", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300, check=True
+    )
+    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_without_transformers_the_observation_is_unavailable_and_the_model_runs() -> None:
+    result = run_python(BLOCKED_TRANSFORMERS)
+    assert result["blocked"] is True
+    assert result["shape"] == [2, 3]
+    assert result["states"] == ["unavailable", "unavailable"]
+    assert result["reason"] == "transformers is not installed"
+    assert len(result["warned"]) == 1  # type: ignore[arg-type]
+
+
+# -- off, and the plugin's registration ------------------------------------------------------------------------
+
+
+REGISTERED = """
+import copy, json, threading
+from kv_exporter.plugin import observe, register
+register()
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+model = torch.nn.Linear(2, 2)
+caches = [DynamicCache(), copy.deepcopy(DynamicCache())]
+observe.attach(model, [], torch.device("cpu"))
+started = observe.start(lambda observation: None)
+observation = observe.observe()
+print(json.dumps({
+    "patched": "__new__" in Cache.__dict__,
+    "started": started,
+    "threads": sum(thread.name == "kv-exporter-observe" for thread in threading.enumerate()),
+    "state": observation.state.value,
+    "interval": observation.interval_s,
+    "tracked": sum(o.caches for o in observation.owners),
+}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("interval", "expected"),
+    [
+        ("1", {"patched": True, "started": True, "threads": 1, "state": "ok", "interval": 1.0, "tracked": 2}),
+        ("0", {"patched": False, "started": False, "threads": 0, "state": "off", "interval": 0.0, "tracked": 0}),
+    ],
+)
+def test_the_plugin_patches_and_samples_only_when_observing(interval: str, expected: dict[str, object]) -> None:
+    assert run_python(REGISTERED, KV_EXPORTER_OBSERVE_INTERVAL=interval) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds", "warned"),
+    [(None, DEFAULT_OBSERVE_INTERVAL_S, False), ("", DEFAULT_OBSERVE_INTERVAL_S, False), ("0", 0.0, False),
+     ("1", 1.0, False), (" 2.5 ", 2.5, False), ("soon", DEFAULT_OBSERVE_INTERVAL_S, True),
+     ("-1", DEFAULT_OBSERVE_INTERVAL_S, True), ("nan", DEFAULT_OBSERVE_INTERVAL_S, True),
+     ("inf", DEFAULT_OBSERVE_INTERVAL_S, True)],
+)  # fmt: skip
+def test_the_interval_setting(text: str | None, seconds: float, warned: bool, caplog: pytest.LogCaptureFixture) -> None:
+    reset_for_tests()
+    environ = {} if text is None else {"KV_EXPORTER_OBSERVE_INTERVAL": text}
+    for _ in range(2):
+        parsed = HookSettings.from_environ(environ)
+    assert parsed.observe_interval_s == seconds
+    assert parsed.observing is (seconds > 0)
+    assert warnings_logged(caplog, "KV_EXPORTER_OBSERVE_INTERVAL") == int(warned)
+
+
+# -- the thread ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("observer")
+def test_the_sampler_thread_publishes_observations_until_stopped() -> None:
+    model, cache = model_and_cache()
+    observe.attach(model, [], torch.device("cpu"))
+    received: list[Observation] = []
+    arrived = threading.Event()
+
+    def on_sample(observation: Observation) -> None:
+        received.append(observation)
+        arrived.set()
+
+    assert observe.start(on_sample)
+    assert observe.start(on_sample)  # idempotent: still one thread
+    assert [thread.name for thread in threading.enumerate()].count(THREAD_NAME) == 1
+    assert arrived.wait(120), "no observation within 120 s at a 1 s interval"
+    observe.stop()
+    assert THREAD_NAME not in {thread.name for thread in threading.enumerate()}
+    first = received[0]
+    assert (first.state, first.interval_s, first.cuda) == (ObservationState.OK, 1.0, None)
+    assert by_owner(first)[UNATTRIBUTED_OWNER].bytes == measure_cache_bytes(cache).allocated_bytes
+    assert first.taken_at > 0 and first.duration_s > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.usefixtures("observer")
+def test_on_a_cuda_device_the_allocator_figures_come_with_the_caches() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = build(Qwen2ForCausalLM, full_config(), torch.float32).to(device)
+    cache = DynamicCache()
+    forward(model, cache, input_ids=prompt(1, 7).to(device))
+    observe.attach(model, [], device)
+    observation = sample()
+    assert observation.cuda is not None
+    assert observation.cuda.allocated_bytes == torch.cuda.memory_allocated(device)
+    assert observation.cuda.reserved_bytes == torch.cuda.memory_reserved(device)
+    assert by_owner(observation)[UNATTRIBUTED_OWNER].bytes == measure_cache_bytes(cache).allocated_bytes
