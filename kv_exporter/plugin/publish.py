@@ -7,6 +7,9 @@ import errno
 import json
 import multiprocessing.util
 import os
+import threading
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,8 @@ from kv_exporter.manifest import (
     parse_manifest,
     write_manifest,
 )
-from kv_exporter.plugin import baseline, identity
+from kv_exporter.observation import Observation
+from kv_exporter.plugin import baseline, identity, observe
 from kv_exporter.plugin.collect import collect, to_declarations
 from kv_exporter.plugin.oncelog import logger, warn_once
 from kv_exporter.plugin.settings import HookSettings
@@ -42,10 +46,14 @@ def publish(
         if settings.disabled:
             return None
         manifest = build_manifest(runner, phase, settings, reader)
-        path = write(manifest, settings)
+        with _published.lock:  # a sample landing meanwhile must not write back the previous phase's manifest
+            path = write(manifest, settings)
+            if path is not None:
+                _published.manifests[path] = manifest
         log_summary(manifest, path)
         if path is not None:
             _cleanup.track(path, manifest.process)
+            observe.start(_published.observed)
         return path
     except Exception as exc:
         warn_once(
@@ -55,8 +63,12 @@ def publish(
 
 
 def build_manifest(runner: Any, phase: Phase, settings: HookSettings, reader: GpuReader | None = None) -> Manifest:
-    collector, pairs = collect(getattr(runner, "model", None), settings.collector)
+    model = getattr(runner, "model", None)
+    collector, pairs = collect(model, settings.collector)
+    declarations = to_declarations(pairs)
     device, base = baseline.measure(runner, identity.device_info(runner), reader)
+    # Attribute the caches to this model's modules (those made during load too), then take the first sample.
+    observe.attach(model, {d.owner for d in declarations}, getattr(runner, "device", None))
     manifest = Manifest(
         engine=identity.engine_identity(runner),
         process=ProcessInfo.current(),
@@ -64,9 +76,10 @@ def build_manifest(runner: Any, phase: Phase, settings: HookSettings, reader: Gp
         max_num_seqs=identity.max_num_seqs(runner),
         phase=phase,
         collector=collector,
-        declarations=to_declarations(pairs),
+        declarations=declarations,
         baseline=base,
         pod=identity.pod_info(),
+        observation=observe.observe(),
     )
     try:  # the sidecar reads strictly: say here, once, if it is going to reject this file
         parse_manifest(manifest.to_json().encode(), "<kv-exporter hook>")
@@ -134,6 +147,30 @@ def log_summary(manifest: Manifest, path: Path | None) -> None:
             d.physical_capacity_positions,
             d.capacity_source,
         )
+
+
+class _Published:
+    """The manifests this process published, rewritten with each new observation (in the sampler's thread)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.manifests: dict[Path, Manifest] = {}
+
+    def observed(self, observation: Observation) -> None:
+        with self.lock:
+            for path, manifest in self.manifests.items():
+                current = replace(manifest, observation=observation, written_at=time.time())
+                try:
+                    write_manifest(path.parent, current)
+                except OSError as exc:
+                    warn_once(
+                        f"observed:{exc.errno}", "kv-exporter: cannot rewrite %s with an observation (%s)", path, exc
+                    )
+                    continue
+                self.manifests[path] = current
+
+
+_published = _Published()
 
 
 class _Cleanup:
