@@ -64,6 +64,9 @@ HOOKS: tuple[MethodHook, ...] = (
     # Overrides load_model without calling super(): wrapping only GPUModelRunner would never fire on CPU.
     _runner("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
     _runner("vllm_omni.worker.gpu_model_runner", "OmniGPUModelRunner"),
+    # vllm-omni's Model Runner V2 family (OmniARModelRunner, OmniGenerationModelRunner): its load_model calls
+    # super() and then keeps setting up, so the outermost call publishes after it.
+    _runner("vllm_omni.worker_v2.omni_model_runner", "OmniGPUModelRunner"),
     _worker("vllm.v1.worker.gpu_worker", "Worker"),
     _worker("vllm.v1.worker.cpu_worker", "CPUWorker"),
     _worker("vllm_omni.worker.base", "OmniGPUWorkerBase"),
