@@ -3,8 +3,13 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# The demo's own environment: only what the exporter needs at run time (prometheus-client), so it serves within
+# seconds of a fresh clone instead of after the test toolchain's torch and friends.
+DEMO_VENV  := .venv-demo
+DEMO_STAMP := $(DEMO_VENV)/.installed
+DEMO_ARGS  ?=
 
-.PHONY: demo test lint unit engine-env omni-env fuzz-env system-deps bench fuzz clean
+.PHONY: demo test lint unit engine-env omni-env fuzz-env system-deps bench fuzz gpu-proof clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -12,8 +17,13 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	$(PY) -m pip install -q -e '.[nvml,web]' -r requirements-dev.txt
 	touch $(STAMP)
 
-demo: $(STAMP)
-	$(VENV)/bin/kv-exporter demo
+$(DEMO_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/python -m pip install -q --disable-pip-version-check -e .
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(DEMO_VENV)/bin/kv-exporter demo $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
