@@ -184,6 +184,19 @@ def test_monitor_scrapes_the_exporter_port(rendered: tuple[Path, list[dict[str, 
     # The job label the alerts and the dashboard select.
     relabel = endpoints[0]["relabelings"][0]
     assert (relabel["targetLabel"], relabel["replacement"]) == ("job", "kv-exporter")
+    # The exporter's pod labels name the engine's pod: kept over the target's (the sidecar's pod).
+    assert endpoints[0]["honorLabels"] is True
+
+
+def test_every_engine_container_names_its_pod_for_the_manifests(rendered: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    engines = containers(docs, "vllm")
+    assert engines or find(docs, "DaemonSet"), "no engine container and no node-wide sidecar"
+    for _, engine in engines:
+        env = {e["name"]: e for e in engine["env"]}
+        assert env["KV_EXPORTER_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert env["KV_EXPORTER_POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+        assert env["KV_EXPORTER_CONTAINER_NAME"]["value"] == engine["name"]
 
 
 def test_prometheusrule_is_the_rules_file(rendered: tuple[Path, list[dict[str, Any]]]) -> None:
