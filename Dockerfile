@@ -3,7 +3,7 @@
 #   sidecar (default)  the exporter alone: slim, non-root, read-only-root friendly, no torch or vllm
 #   vllm-plugin        an upstream vLLM image plus the kv-exporter plugin (set VLLM_IMAGE for vllm-omni)
 #
-#   docker build -t kv-exporter .
+#   docker build --build-arg REVISION="$(git rev-parse HEAD)" -t kv-exporter .
 #   docker build --target vllm-plugin -t kv-exporter-vllm .
 #   docker build --target vllm-plugin --build-arg VLLM_IMAGE=<vllm-omni image> -t kv-exporter-vllm-omni .
 # The install steps live in deploy/docker/*.sh; tests/deploy runs the same scripts.
@@ -12,6 +12,9 @@ ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 
 FROM ${PYTHON_IMAGE} AS build
+# The source revision the image is built from, for --version and model_local_kv_exporter_build_info (an image has
+# no git checkout to read it from).
+ARG REVISION=unknown
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kv_exporter/ kv_exporter/
@@ -27,6 +30,8 @@ FROM ${PYTHON_IMAGE} AS sidecar
 LABEL org.opencontainers.image.title="kv-exporter" \
       org.opencontainers.image.description="Prometheus exporter for model-local attention KV in vLLM / vllm-omni" \
       org.opencontainers.image.licenses="Apache-2.0"
+ARG REVISION=unknown
+LABEL org.opencontainers.image.revision="${REVISION}"
 COPY --from=build /opt/kv-exporter /opt/kv-exporter
 COPY deploy/docker/healthcheck.py /opt/kv-exporter/healthcheck.py
 # Nothing is written at run time: no .pyc (compiled at build), no temp files, logs to stdout.

@@ -8,7 +8,7 @@ import gzip
 import threading
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
@@ -32,6 +32,9 @@ class ExporterApp:
         self.telemetry_path = telemetry_path
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(KVCollector(collection))
+        # The exporter's own process, as every Python exporter reports it: process_*, python_info, python_gc_*.
+        for own in (ProcessCollector, PlatformCollector, GCCollector):
+            own(registry=self.registry)
         self.exposition = Exposition()
         self._pages: dict[tuple[str, bool], SingleFlight[bytes]] = {}
         self._pages_lock = threading.Lock()

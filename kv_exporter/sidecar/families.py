@@ -6,8 +6,8 @@ from collections.abc import Iterable, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kv_exporter import __version__
 from kv_exporter.manifest import PodInfo
+from kv_exporter.sidecar.buildinfo import build_info
 from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.exposition import GaugeRows
 from kv_exporter.sidecar.observed import Observed, ObservedState
@@ -248,8 +248,13 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
     duration = GaugeMetricFamily(
         "model_local_kv_scrape_duration_seconds", "Seconds the collection took.", value=snapshot.duration_s
     )
-    build = GaugeRows("model_local_kv_exporter_build_info", "kv-exporter version (value 1).", ("version",))
-    build.add_metric((__version__,), 1)
+    info = build_info()
+    build = GaugeRows(
+        "model_local_kv_exporter_build_info",
+        "kv-exporter's version, source revision and Python version (value 1).",
+        ("version", "revision", "pythonversion"),
+    )
+    build.add_metric((info.version, info.revision, info.python_version), 1)
     return [nvml_up, manifests, manifest_errors, page_errors, nvml_errors, observation_errors, dropped, duration, build]
 
 

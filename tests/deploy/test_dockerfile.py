@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,6 +160,9 @@ def run_step(run_args: str, root: Path, replacements: dict[str, Path], env: dict
     run("sh", str(script), *argv[1:], env=env, timeout=600)
 
 
+BUILT_REVISION = "0123456789abcdef0123456789abcdef01234567"  # what `--build-arg REVISION=...` passes
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
     """The build stage's RUN, as written, on a copy of its build context: (venv prefix, wheel folder)."""
@@ -166,7 +170,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
     build = STAGES["build"]
     src = lay_out_build_context(build, root)
     prefix, wheels = root / "opt/kv-exporter", root / "wheels"
-    env = {**os.environ, "PYTHON": sys.executable, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env = {**os.environ, "PYTHON": sys.executable, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "REVISION": BUILT_REVISION}
     (run_line,) = build.all("RUN")
     run_step(run_line, root, {"/src": src, "/opt/kv-exporter": prefix, "/wheels": wheels}, env)
     yield prefix, wheels
@@ -180,6 +184,29 @@ def test_sidecar_install_has_no_torch_and_runs(installed: tuple[Path, Path]) -> 
     for heavy in ("torch", "vllm", "transformers"):
         assert not list((prefix / "lib").glob(f"python*/site-packages/{heavy}")), heavy
     assert "serve" in run(str(prefix / "bin/kv-exporter"), "--help")
+
+
+def test_building_the_package_prints_no_deprecation(tmp_path: Path) -> None:
+    """What an operator sees on `pip install`: setuptools deprecated the license table, kv-exporter uses SPDX."""
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", str(tmp_path), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    assert "deprecat" not in (built.stdout + built.stderr).lower(), built.stderr
+    (wheel,) = tmp_path.glob("kv_exporter-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in metadata.splitlines()
+
+
+def test_the_image_knows_the_revision_it_was_built_from(installed: tuple[Path, Path]) -> None:
+    prefix, _ = installed
+    version = run(str(prefix / "bin/kv-exporter"), "--version").strip()
+    assert version.startswith("kv-exporter, version ") and f"(revision: {BUILT_REVISION}, python: " in version
+    assert "ARG REVISION=unknown" in DOCKERFILE.read_text()  # the build argument the script reads
 
 
 def healthcheck_argv(prefix: Path) -> list[str]:

@@ -23,6 +23,7 @@ from kv_exporter.gpu import HOST_PID_NAMESPACE
 from kv_exporter.manifest import PodInfo, manifest_filename, write_manifest
 from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
+from kv_exporter.sidecar.buildinfo import build_info
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
 from tests.support.constants import GIB, QWEN_ROW, UUID0
 from tests.support.exporter import exporter, simulated_gpu
@@ -79,7 +80,32 @@ def scrape(folder: Path, page: bytes) -> str:
     text = text.replace(engine.url, "http://127.0.0.1:ENGINE/metrics")
     text = text.replace(down, "http://127.0.0.1:DOWN/metrics")
     text = re.sub(r"(?m)^(model_local_kv_observation_age_seconds\{.*\}) \S+$", r"\1 AGE", text)
+    text = re.sub(r'pythonversion="[^"]*",revision="[^"]*"', 'pythonversion="PYTHON",revision="REVISION"', text)
+    text = own_process_families_left_out(text)
     return re.sub(r"(?m)^(model_local_kv_scrape_duration_seconds) \S+$", r"\1 DURATION", text)
+
+
+OWN_PROCESS = re.compile(r"^(?:# (?:HELP|TYPE) )?(process|python)_")
+
+
+def own_process_families_left_out(text: str) -> str:
+    """prometheus_client's process, platform and GC families: the test process's own figures, not the API's."""
+    return "".join(line for line in text.splitlines(keepends=True) if not OWN_PROCESS.match(line))
+
+
+def test_the_exporter_reports_its_own_process_and_build(tmp_path: Path) -> None:
+    write_inputs(tmp_path, VLLM_MODEL)
+    with exporter(tmp_path, [], simulated_gpu()) as e:
+        text = e.text()
+    for family in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds", "python_info"):
+        assert re.search(rf"(?m)^{family}(\{{.*\}})? \S+$", text), family
+    assert re.search(r"(?m)^python_gc_collections_total\{generation=\"0\"\} \S+$", text)
+    info = build_info()
+    assert (
+        f'model_local_kv_exporter_build_info{{pythonversion="{info.python_version}",revision="{info.revision}",'
+        f'version="{info.version}"}} 1.0'
+    ) in text
+    assert info.revision != "unknown"  # a checkout: read from its git metadata
 
 
 def check_golden(name: str, text: str) -> None:

@@ -26,8 +26,8 @@ from tests.support.net import Headers, get
 from tests.support.scrape import Samples, parse
 
 ENTRY = ("-m", "kv_exporter")
-# `serve` logs "serving URL/metrics (...)", `demo` prints "metrics: URL/metrics".
-ANNOUNCED_URL = re.compile(r"(http://127\.0\.0\.1:\d+)/metrics")
+# `serve` logs "serving URL/<telemetry path> (...)", `demo` prints "landing page: URL/" first.
+ANNOUNCED_URL = re.compile(r"(http://127\.0\.0\.1:\d+)/")
 STOP_TIMEOUT_S = 15.0
 # Root is not bound by permission bits: without these two capabilities it is, while still reaching its own checkout
 # (which may sit in a 0700 folder no other user can enter).
@@ -113,14 +113,14 @@ def start_sidecar(
     permission_bits: bool = False,
     timeout_s: float = 30.0,
 ) -> Sidecar:
-    """Start `python ENTRY COMMAND --listen-address 127.0.0.1:0 ARGS` in `cwd`; return it once it serves.
+    """Start `python ENTRY COMMAND --web.listen-address 127.0.0.1:0 ARGS` in `cwd`; return it once it serves.
 
     `entry`: what runs instead of `-m kv_exporter` (another module's main, or `with_prelude`). `permission_bits`:
     make file permissions apply to it when we are root (anyone else is bound by them already and runs it as is).
     Its output goes to WORKDIR/sidecar-N.log.
     """
     log_path = workdir / f"sidecar-{next(_logs)}.log"
-    argv = [sys.executable, *entry, command, "--listen-address", "127.0.0.1:0", *args]
+    argv = [sys.executable, *entry, command, "--web.listen-address", "127.0.0.1:0", *args]
     if permission_bits and os.geteuid() == 0:
         argv = [*DROP_FILE_CAPABILITIES, *argv]
     with open(log_path, "wb") as log:

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,12 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from kv_exporter.manifest import ProcessInfo, write_manifest
 from kv_exporter.observation import Observation, ObservationState, OwnerObservation
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS, REFERENCE_MODELS
+from kv_exporter.sidecar.buildinfo import build_info
 from kv_exporter.sidecar.cli import main, parse_simulated_gpu, parse_size
 from kv_exporter.sidecar.units import human_bytes
 from kv_exporter.web.reload import RELOAD_METRIC
 from tests.support.constants import GIB, REPO
 from tests.support.manifests import reference_manifest
-from tests.support.sidecar import sidecar
+from tests.support.net import free_port
+from tests.support.sidecar import sidecar, stop_process
 
 CONTRACTS = REPO / "docs" / "CONTRACTS.md"
 
@@ -161,7 +164,7 @@ def test_serve_refuses_a_taken_port(tmp_path: Path) -> None:
         port = sock.getsockname()[1]
         result = subprocess.run(
             [sys.executable, "-m", "kv_exporter", "serve", "--manifest-dir", str(tmp_path), "--no-nvml",
-             "--listen-address", f"127.0.0.1:{port}"],
+             "--web.listen-address", f"127.0.0.1:{port}"],
             capture_output=True, text=True, timeout=20,
         )  # fmt: skip
     assert result.returncode == 1
@@ -194,3 +197,79 @@ def test_demo_running_count_moves() -> None:
     qwen = demo_engines()[0]
     counts = {qwen.running(t) for t in range(0, 60, 5)}
     assert len(counts) > 5 and max(counts) <= qwen.max_num_seqs and min(counts) >= 0
+
+
+def test_the_old_flag_spellings_still_work_and_say_what_replaced_them(tmp_path: Path) -> None:
+    port = free_port()
+    old = ["--listen-address", f"127.0.0.1:{port}", "--log-level", "info"]
+    argv = [sys.executable, "-m", "kv_exporter", "serve", "--manifest-dir", str(tmp_path), "--no-nvml", *old]
+    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).status == 200
+                break
+            except OSError:
+                assert time.monotonic() < deadline and process.poll() is None, "it did not serve on the old flag"
+                time.sleep(0.1)
+    finally:
+        stop_process(process)
+    assert process.stderr is not None
+    log = process.stderr.read()
+    assert "--listen-address is deprecated and will be removed: use --web.listen-address" in log
+    assert "--log-level is deprecated and will be removed: use --log.level" in log
+    assert "--listen-address" not in run_kv_exporter("serve", "--help")  # hidden
+
+
+def test_telemetry_path_and_json_logs(tmp_path: Path) -> None:
+    args = ("--manifest-dir", str(tmp_path), "--no-nvml", "--web.telemetry-path", "/kv", "--log.format", "json")
+    with sidecar(tmp_path, *args) as sc:
+        assert sc.get("/kv")[0] == 200 and b"model_local_kv_manifests{" in sc.get("/kv")[2]
+        assert sc.get("/metrics")[0] == 404
+        assert b'<a href="/kv">/kv</a>' in sc.get("/")[2]
+        assert sc.stop() == 0
+    records = [json.loads(line) for line in sc.log().splitlines() if line.strip()]
+    assert records and all(set(r) >= {"ts", "level", "logger", "msg"} for r in records)
+    assert any(r["msg"].startswith("serving http://127.0.0.1:") and "/kv (manifests in" in r["msg"] for r in records)
+
+
+def test_logfmt_is_the_default_and_quotes_what_it_must(tmp_path: Path) -> None:
+    with sidecar(tmp_path, "--manifest-dir", str(tmp_path), "--no-nvml") as sc:
+        assert sc.stop() == 0
+    (line,) = [line for line in sc.log().splitlines() if "serving" in line]
+    assert re.fullmatch(r'ts=\S+Z level=info logger=kv_exporter msg="serving http://127\.0\.0\.1:\d+/metrics .*"', line)
+
+
+def test_version_names_the_revision_and_python(tmp_path: Path) -> None:
+    out = run_kv_exporter("--version").strip()
+    info = build_info()
+    assert out == f"kv-exporter, version {info.version} (revision: {info.revision}, python: {info.python_version})"
+
+
+def test_report_takes_its_folder_as_an_argument(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_manifest(tmp_path, reference_manifest(QWEN3_TTS))
+    assert main(["report", str(tmp_path)]) == 0
+    positional = capsys.readouterr().out
+    assert main(["report", "--manifest-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == positional and "codec_decoder_request_cache" in positional
+    assert main(["report", str(tmp_path), "--manifest-dir", str(tmp_path / "other")]) == 2
+    assert "two folders given" in capsys.readouterr().err
+
+
+def test_report_says_a_missing_folder_once() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kv_exporter", "report", "/nonexistent/kv-exporter"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("/nonexistent/kv-exporter") == 1, result.stderr
+
+
+def run_kv_exporter(*args: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "kv_exporter", *args], capture_output=True, text=True, timeout=60, check=True
+    ).stdout

@@ -33,7 +33,7 @@ def test_bad_web_config_refuses_to_start(tmp_path: Path) -> None:
     config = tmp_path / "web.yml"
     config.write_text("no_such_key: 1\n")
     result = subprocess.run(
-        [sys.executable, "-m", "kv_exporter", "serve", "--no-nvml", "--listen-address", "127.0.0.1:0",
+        [sys.executable, "-m", "kv_exporter", "serve", "--no-nvml", "--web.listen-address", "127.0.0.1:0",
          f"--web.config.file={config}"],
         cwd=REPO, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
