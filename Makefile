@@ -51,5 +51,9 @@ bench: $(STAMP)
 fuzz: $(STAMP)
 	bash scripts/fuzz.sh
 
+# On a CUDA machine, under its own python3 (no environment is built: such machines have no package index).
+gpu-proof:
+	$(PYTHON) -m scripts.gpu_proof
+
 clean:
 	rm -rf $(VENV) .venv-* .pytest_cache .mypy_cache .ruff_cache

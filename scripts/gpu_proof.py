@@ -1,0 +1,267 @@
+"""The GPU proof: what kv-exporter declares and observes, against what a CUDA device really allocates.
+
+On a CUDA machine (`make gpu-proof`, i.e. `python3 -m scripts.gpu_proof` from the checkout, under that machine's
+own python3 and packages):
+1. For each reference geometry (kv_exporter.reference), real transformers caches are built on the GPU through
+   their own update paths: Qwen3-TTS's sliding DynamicCache, MiMo-Audio's DynamicCache, MiniCPM-o's
+   EncoderDecoderCache, ming_flash_omni's lazily allocated StaticCache. Each is measured four ways: the
+   delta of torch.cuda.memory_allocated, the storage behind its tensors (measure_cache_bytes), the bytes
+   kv-exporter's tracker observes (the plugin's own sampler code), and the bytes its declaration gives.
+2. The sidecar runs on real NVML (`python -m kv_exporter serve`) over a manifest this process writes with its own
+   device, as the hook writes it: the GPU label it exports must be NVML's index for the UUID torch reports, and
+   the per-process figure NVML gives for this pid is printed beside torch's reserved memory.
+A table is printed; a failed check exits 1. Without a CUDA device it says so and exits 0. `--device cpu` runs
+part 1 without the allocator column (the script's own test runs it so, where there is no GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+ALLOCATOR_GRANULE = 512  # torch's caching allocator rounds every block up to a multiple of this
+BATCH = 4  # rows of the max_num_seqs-driven caches
+
+
+@dataclass
+class Row:
+    case: str
+    declared: int
+    storage: int
+    observed: int
+    allocated: int | None  # torch.cuda.memory_allocated delta; None off CUDA
+    tensors: int  # K and V tensors behind the cache: each a block of the allocator
+
+    def checks(self) -> list[tuple[str, bool]]:
+        found = [("tracker == storage", self.observed == self.storage)]
+        if self.allocated is not None:
+            # Nothing else may be allocated; each block is rounded up to the allocator's granule at most.
+            slack = ALLOCATOR_GRANULE * self.tensors
+            found.append(("allocated ~ storage", 0 <= self.allocated - self.storage <= slack))
+        return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    args = parser.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("gpu-proof: no torch in this Python: nothing measured (it needs a CUDA build of torch and transformers)")
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"gpu-proof: no CUDA device here (torch {torch.__version__}): nothing measured, nothing to prove")
+        return 0
+    tracker = install_tracker()
+    rows = list(measure_caches(torch, torch.device(args.device), tracker))
+    print_table(rows)
+    failed = [f"{row.case}: {name}" for row in rows for name, ok in row.checks() if not ok]
+    if args.device == "cuda":
+        failed += sidecar_on_nvml(torch)
+    for failure in failed:
+        print(f"FAILED {failure}")
+    print("gpu-proof: all checks passed" if not failed else f"gpu-proof: {len(failed)} check(s) failed")
+    return 1 if failed else 0
+
+
+def install_tracker() -> Callable[[], int]:
+    """The plugin's own cache tracker, installed as register() installs it; returns a function giving the bytes
+    every live cache holds (the sampler's measurement). Must run before transformers is imported."""
+    from kv_exporter.plugin import observe
+    from kv_exporter.plugin.hooks import install_post_import
+    from kv_exporter.plugin.settings import HookSettings
+
+    settings = HookSettings(False, Path(tempfile.gettempdir()), True, "kv_exporter", observe_interval_s=1.0)
+    install_post_import(observe.patches(settings))
+
+    def observed() -> int:
+        sample = observe.observe(pause=lambda: None)
+        if sample.state.value != "ok":
+            raise RuntimeError(f"the tracker is {sample.state.value}: {sample.reason}")
+        return sum(owner.bytes for owner in sample.owners)
+
+    return observed
+
+
+def measure_caches(torch: Any, device: Any, observed: Callable[[], int]) -> Iterator[Row]:
+    from transformers import DynamicCache, EncoderDecoderCache, MistralConfig, Qwen2Config, StaticCache
+
+    from kv_exporter.cachebytes import measure_cache_bytes
+    from kv_exporter.manifest import Declaration
+    from kv_exporter.reference import MIMO_AUDIO, MING_FLASH_OMNI, MINICPM_O, QWEN3_TTS
+
+    def declared(model: Any, rows: int) -> int:
+        owner, spec = model.declarations[0]
+        return Declaration.from_spec(owner, spec).bytes_per_row * rows
+
+    def kv(spec: Any, batch: int, positions: int) -> tuple[Any, Any]:
+        shape = (batch, spec.kv_heads, positions, spec.head_dim)
+        dtype = getattr(torch, str(spec.dtype).removeprefix("torch."))
+        return torch.randn(shape, device=device).to(dtype), torch.randn(shape, device=device).to(dtype)
+
+    def fill(cache: Any, spec: Any, batch: int, prefill: int, decode_steps: int, target: Any = None) -> Any:
+        layers = target if target is not None else cache
+        for positions in [prefill] + [1] * decode_steps:
+            for layer in range(spec.layers):
+                keys, values = kv(spec, batch, positions)
+                layers.update(keys, values, layer, {"cache_position": torch.arange(positions, device=device)})
+        return cache
+
+    qwen = QWEN3_TTS.declarations[0][1]
+    window = qwen.physical_capacity_positions + 1  # the declaration is sliding_window - 1
+    sliding = MistralConfig(
+        num_hidden_layers=qwen.layers, num_attention_heads=qwen.kv_heads, num_key_value_heads=qwen.kv_heads,
+        head_dim=qwen.head_dim, hidden_size=qwen.kv_heads * qwen.head_dim, sliding_window=window,
+    )  # fmt: skip
+    mimo, minicpm, ming = (m.declarations[0][1] for m in (MIMO_AUDIO, MINICPM_O, MING_FLASH_OMNI))
+    static = Qwen2Config(  # head_dim follows: hidden_size / num_attention_heads
+        num_hidden_layers=ming.layers, num_attention_heads=ming.kv_heads, num_key_value_heads=ming.kv_heads,
+        hidden_size=ming.kv_heads * ming.head_dim, use_sliding_window=False,
+    )  # fmt: skip
+    cases: list[tuple[str, int, Callable[[], Any]]] = [
+        (
+            "Qwen3-TTS codec decoder (sliding window 72, 4 rows)",
+            declared(QWEN3_TTS, BATCH),
+            lambda: fill(DynamicCache(config=sliding), qwen, BATCH, window, 4),
+        ),
+        (
+            "MiMo-Audio local transformer (11 positions, 4 rows)",
+            declared(MIMO_AUDIO, BATCH),
+            lambda: fill(DynamicCache(), mimo, BATCH, mimo.physical_capacity_positions, 0),
+        ),
+        (
+            "MiniCPM-o Whisper encoder (1500 frames, 1 session)",
+            declared(MINICPM_O, 1),
+            lambda: encoder_decoder(EncoderDecoderCache(DynamicCache(), DynamicCache()), minicpm),
+        ),
+        (
+            "ming_flash_omni talker (StaticCache 2048, 1 row)",
+            declared(MING_FLASH_OMNI, 1),
+            lambda: fill(StaticCache(config=static, max_cache_len=ming.physical_capacity_positions), ming, 1, 1, 0),
+        ),
+    ]
+
+    def encoder_decoder(cache: Any, spec: Any) -> Any:
+        return fill(cache, spec, 1, spec.physical_capacity_positions, 0, target=cache.cross_attention_cache)
+
+    for name, declared_bytes, build in cases:
+        with allocated_delta(torch, device) as delta:
+            cache = build()
+        measured = measure_cache_bytes(cache)
+        seen = observed()
+        yield Row(name, declared_bytes, measured.allocated_bytes, seen, delta(), 2 * measured.allocated_layers)
+        del cache
+
+
+@contextmanager
+def allocated_delta(torch: Any, device: Any) -> Iterator[Callable[[], int | None]]:
+    """torch.cuda.memory_allocated after the block minus before (temporaries freed), or None off CUDA."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device) if cuda else 0
+    result: list[int | None] = [None]
+    yield lambda: result[0]
+    if cuda:
+        torch.cuda.synchronize()
+        result[0] = torch.cuda.memory_allocated(device) - before
+
+
+def print_table(rows: list[Row]) -> None:
+    headers = ("case", "declared", "storage", "observed", "cuda allocated")
+    cells = [
+        (r.case, str(r.declared), str(r.storage), str(r.observed), "-" if r.allocated is None else str(r.allocated))
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in [headers, *cells]) for i in range(len(headers))]
+    for row in [headers, tuple("-" * w for w in widths), *cells]:
+        print(
+            "  ".join(
+                cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+    print("bytes; declared = the reference declaration x rows; storage = measure_cache_bytes (the tracker's")
+    print("measurement); a sliding layer's storage holds its whole window (72 positions where 71 are declared).")
+
+
+def sidecar_on_nvml(torch: Any) -> list[str]:
+    """The sidecar on real NVML over this process's manifest; the failures, if any."""
+    try:
+        import prometheus_client  # noqa: F401
+        import pynvml  # noqa: F401  (nvidia-ml-py)
+    except ImportError as exc:
+        print(f"gpu-proof: sidecar part skipped: {exc.name} is not installed in this Python")
+        return []
+    from types import SimpleNamespace
+
+    from kv_exporter.gpu import NvmlReader
+    from kv_exporter.manifest import Declaration, EngineIdentity, Manifest, Phase, ProcessInfo, write_manifest
+    from kv_exporter.plugin import baseline, identity
+    from kv_exporter.reference import QWEN3_TTS
+
+    runner = SimpleNamespace(device=torch.device("cuda", torch.cuda.current_device()))
+    device, base = baseline.measure(runner, identity.device_info(runner), NvmlReader())
+    manifest = Manifest(
+        engine=EngineIdentity(model_name="gpu-proof"),
+        process=ProcessInfo.current(),
+        device=device,
+        max_num_seqs=BATCH,
+        phase=Phase.WARMUP,
+        collector="kv_exporter",
+        declarations=tuple(Declaration.from_spec(o, s) for o, s in QWEN3_TTS.declarations),
+        baseline=base,
+    )
+    folder = Path(tempfile.mkdtemp(prefix="kvx-gpu-proof-"))
+    write_manifest(folder, manifest)
+    text = scrape_sidecar(folder)
+    series = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
+    failures = []
+    labels = [k for k in series if k.startswith("model_local_kv_ceiling_bytes{")]
+    exported_gpu = {part.split("=")[1].strip('"') for k in labels for part in k[k.index("{") + 1 : -1].split(",")
+                    if part.startswith("gpu=")}  # fmt: skip
+    print(f"manifest device: UUID {device.uuid}, NVML index {device.index}; sidecar's gpu label(s): {exported_gpu}")
+    if device.index is None or exported_gpu != {str(device.index)}:
+        failures.append("the sidecar's gpu label is not NVML's index for torch's UUID")
+    process = [v for k, v in series.items() if k.startswith("model_local_kv_gpu_process_memory_bytes{")
+               and f'pid="{os.getpid()}"' in k]  # fmt: skip
+    reserved = torch.cuda.memory_reserved()
+    print(f"NVML used by this pid: {process[0] if process else 'not matched'} B; torch reserved: {reserved} B")
+    print(f"manifest baseline: NVML {base.nvml_process_used_bytes} B, torch reserved {base.torch_reserved_bytes} B")
+    if process and process[0] < reserved:
+        failures.append("NVML reports less for this process than torch has reserved")
+    return failures
+
+
+def scrape_sidecar(folder: Path) -> str:
+    log = folder / "sidecar.log"
+    with log.open("wb") as out:
+        command = [sys.executable, "-m", "kv_exporter", "serve", "--manifest-dir", str(folder)]
+        process = subprocess.Popen([*command, "--web.listen-address", "127.0.0.1:0"], cwd=REPO, stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 60
+        while "serving http://" not in log.read_text(errors="replace"):
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(log.read_text(errors="replace"))
+            time.sleep(0.1)
+        url = log.read_text().split("serving ", 1)[1].split(" ", 1)[0]
+        body: bytes = urllib.request.urlopen(url, timeout=30).read()
+        return body.decode()
+    finally:
+        process.terminate()
+        process.wait(20)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
