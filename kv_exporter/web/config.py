@@ -71,24 +71,6 @@ _TLS_KEYS = (
 )
 _HTTP_KEYS = ("http2", "headers")
 
-_TOP_KEYS = ("tls_server_config", "http_server_config", "basic_auth_users", "rate_limit")
-_TLS_KEYS = (
-    "cert",
-    "key",
-    "client_ca",
-    "cert_file",
-    "key_file",
-    "client_auth_type",
-    "client_ca_file",
-    "client_allowed_sans",
-    "min_version",
-    "max_version",
-    "cipher_suites",
-    "prefer_server_cipher_suites",
-    "curve_preferences",
-)
-_HTTP_KEYS = ("http2", "headers")
-
 
 class WebConfigError(ValueError):
     """The web config file cannot be used; the message names the file and the offending key."""
