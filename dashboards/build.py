@@ -238,6 +238,44 @@ def kv_row() -> list[Panel]:
     return [ceiling.height(9).span(12), estimate.height(9).span(12)]
 
 
+OBSERVED_KEY = "instance, model_name, stage, engine, owner"
+OBSERVED_LEGEND = "{{instance}} · {{model_name}} s{{stage}} e{{engine}} · {{owner}}"
+
+
+def observed_row() -> list[Panel]:
+    """What the caches really hold, per owner, beside what the owner declares."""
+    held = f"sum by ({OBSERVED_KEY}) ({sel('model_local_kv_observed_bytes', DECLARATION)})"
+    ceiling = f"sum by ({OBSERVED_KEY}) ({sel('model_local_kv_ceiling_bytes', DECLARATION)})"
+    beside = graph(
+        "Observed vs declared ceiling by owner",
+        "What the owner's live transformers caches hold (each storage once), beside its declarations' ceiling at "
+        "max_num_seqs. Observed above the ceiling: the declaration is low (see Unexplained).",
+        "bytes",
+        [query(held, f"observed · {OBSERVED_LEGEND}", "A"), query(ceiling, f"ceiling · {OBSERVED_LEGEND}", "B")],
+    ).override_by_regexp("^ceiling.*", DASHED)
+    unexplained = graph(
+        "Unexplained bytes by owner",
+        "Observed beyond the owner's declared ceiling; everything an undeclared owner holds. The shipped alert "
+        "pages beyond 5 % of the ceiling (docs/alerts.md).",
+        "bytes",
+        [
+            query(
+                f"sum by ({OBSERVED_KEY}) ({sel('model_local_kv_unexplained_bytes', DECLARATION)})",
+                OBSERVED_LEGEND,
+                "A",
+            )
+        ],
+    )
+    state = single(
+        "Observation per engine",
+        "The engine's observation state: ok, off, unavailable, failing, stale, absent or rejected.",
+        "none",
+        f"{sel('model_local_kv_observation_state', ENGINE)} == 1",
+        f"{ENGINE_LEGEND} · {{{{state}}}}",
+    )
+    return [beside.height(9).span(12), unexplained.height(9).span(12), state.height(5).span(24)]
+
+
 def engine_row() -> list[Panel]:
     running = graph(
         "Running sequences vs max_num_seqs",
@@ -375,6 +413,7 @@ def health_row() -> list[Panel]:
 SECTIONS: list[tuple[str, Callable[[], list[Panel]]]] = [
     ("GPU memory", gpu_row),
     ("Model-local KV by owner and cache", kv_row),
+    ("Observed beside declared", observed_row),
     ("Engines", engine_row),
     ("Declarations", declaration_table),
     ("Exporter health", health_row),

@@ -7,13 +7,16 @@ the shipped rules: no duplicate samples, and the override is in force."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from kv_exporter.manifest import write_manifest
+from kv_exporter.manifest import Declaration, write_manifest
+from kv_exporter.observation import Observation, ObservationState, OwnerObservation
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS, ReferenceModel
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
 from tests.deploy.grafana import (
@@ -52,10 +55,20 @@ class Fleet:
     sidecars: dict[str, Sidecar]
 
 
+def observation(model: ReferenceModel, running: int) -> Observation:
+    """What the host's caches hold: a row per running sequence for its first owner, and a cache nobody declared.
+    Fresh for the test's span (stale only after 3 intervals: docs/metrics.md)."""
+    owner, spec = model.declarations[0]
+    per_row = Declaration.from_spec(owner, spec).bytes_per_row
+    held = (OwnerObservation(owner, running * per_row, running), OwnerObservation("vocoder", 1 << 20, 1))
+    return Observation(ObservationState.OK, "", 10.0, time.time(), 0.001, held)
+
+
 def start_host(stack: contextlib.ExitStack, workdir: Path, host: str) -> Sidecar:
     model, running, max_num_seqs, gpu = HOSTS[host]
     folder = workdir / f"manifests-{host}"
-    write_manifest(folder, live_manifest(model, max_num_seqs=max_num_seqs))
+    manifest = live_manifest(model, max_num_seqs=max_num_seqs)
+    write_manifest(folder, dataclasses.replace(manifest, observation=observation(model, running)))
     # A broken file beside it: the manifest-error panel gets data on each host.
     (folder / "broken-by-test.json").write_text('{"schema_version": 1, "truncated": ')
     engine = stack.enter_context(SimulatedEngine(vllm_page_with(running, model.model_name)))
