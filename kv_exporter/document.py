@@ -173,19 +173,22 @@ def encode(value: Any) -> Any:
 def decode(cls: type[T], doc: object, where: str = "", version: int | None = None) -> T:
     """`doc` (decoded JSON) as `cls`, as documents of `version` spell it (None: the newest);
     raises DocumentError naming the field by its path below `where`."""
-    obj = _object(doc, where or cls.__name__.lower(), cls, version)
+    name = where or cls.__name__.lower()
+    obj = _object(doc, name, cls, version)
     fields = _in_version(cls, version)
-    values = {f.name: _value(f, obj[f.name], _child(where, f.name), version) for f in fields if not f.derived}
+    values = {f.name: _value(f, obj[f.name], _child(where, f.name), version) for f in fields}
     try:
-        result = cls(**values)
+        result = cls(**{f.name: values[f.name] for f in fields if not f.derived})
     except DocumentError as exc:  # a rule across fields, checked by the dataclass itself
-        raise DocumentError(exc.reason, f"{where}: {exc.detail}") from None
+        raise DocumentError(exc.reason, f"{name}: {exc.detail}") from None
     except ValueError as exc:
-        raise DocumentError("invalid_value", f"{where}: {exc}") from None
+        raise DocumentError("invalid_value", f"{name}: {exc}") from None
     for f in fields:
-        if f.derived and obj[f.name] != getattr(result, f.name):
+        if f.derived and values[f.name] != getattr(result, f.name):
             source = f.marker(Derived)
-            detail = f"{_child(where, f.name)} = {obj[f.name]!r}, but {source.source if source else 'the other fields'}"
+            detail = (
+                f"{_child(where, f.name)} = {values[f.name]!r}, but {source.source if source else 'the other fields'}"
+            )
             raise DocumentError("inconsistent", f"{detail} give {getattr(result, f.name)!r}")
     return result
 

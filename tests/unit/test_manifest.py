@@ -174,6 +174,11 @@ MALFORMED: dict[str, tuple[bytes, str, str]] = {
     "non-canonical dtype": (mutate(set_path("declarations.0.dtype", "torch.float32")), "invalid_value", "canonical"),
     "bytes_per_row disagrees": (mutate(set_path("declarations.0.bytes_per_row", 1)), "inconsistent", "geometry"),
     "itemsize disagrees": (mutate(set_path("declarations.0.itemsize", 2)), "inconsistent", "itemsize"),
+    "a derived size as a boolean": (
+        mutate(set_path("declarations.0.bytes_per_row", True)),
+        "wrong_type",
+        "bytes_per_row",
+    ),
     "fixed without reason": (
         mutate(lambda d: d["declarations"][2].update(rows_reason=" ")),
         "invalid_value",
