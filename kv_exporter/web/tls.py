@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import ssl
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,20 +103,65 @@ class TLSSetupError(ValueError):
 
 
 def build_ssl_context(tls: TLSSettings) -> ssl.SSLContext:
-    """A server context for `tls`; raises `TLSSetupError` if a file is missing or a certificate is bad."""
+    """A server context for `tls`; raises `TLSSetupError` if a file is missing, a certificate is bad, or a TLS
+    version in min_version..max_version cannot be negotiated here."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = tls.min_version
-    context.maximum_version = tls.max_version
+    _set_versions(context, tls.min_version, tls.max_version)
     try:
         _require_files(tls)
         _load_server_certificate(context, tls)
-        _load_client_policy(context, tls)
         _set_ciphers(context, tls)
+        if tls.prefer_server_cipher_suites:
+            context.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
+        _require_negotiable_versions(context, tls)  # before the client policy: the probe sends no certificate
+        _load_client_policy(context, tls)
     except (OSError, ssl.SSLError, ValueError) as exc:
         raise TLSSetupError(_describe(exc)) from exc
-    if tls.prefer_server_cipher_suites:
-        context.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
     return context
+
+
+def _set_versions(context: ssl.SSLContext, lowest: ssl.TLSVersion, highest: ssl.TLSVersion) -> None:
+    with warnings.catch_warnings():  # TLS 1.0 and 1.1 are deprecated: `_require_negotiable_versions` decides
+        warnings.simplefilter("ignore", DeprecationWarning)
+        context.minimum_version = lowest
+        context.maximum_version = highest
+
+
+def _require_negotiable_versions(context: ssl.SSLContext, tls: TLSSettings) -> None:
+    """Every version in min_version..max_version must work for real: OpenSSL 3 accepts `minimum_version = TLSv1`
+    and then fails every TLS 1.0 handshake at security level 1 and above. One in-memory handshake per version."""
+    for name, version in TLS_VERSIONS.items():
+        if tls.min_version <= version <= tls.max_version:
+            failure = _handshake_failure(context, version)
+            if failure is not None:
+                raise ValueError(
+                    f"{name} (within min_version..max_version) cannot be negotiated here ({ssl.OPENSSL_VERSION}, "
+                    f"security level {context.security_level}): {failure}"
+                )
+
+
+def _handshake_failure(server: ssl.SSLContext, version: ssl.TLSVersion) -> str | None:
+    """Why a client speaking only `version` cannot complete a handshake with `server`; None if it can."""
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False
+    client.verify_mode = ssl.CERT_NONE
+    client.set_ciphers("ALL:@SECLEVEL=0")  # the probing client takes anything, so a refusal is the server's
+    _set_versions(client, version, version)
+    to_client, to_server = ssl.MemoryBIO(), ssl.MemoryBIO()
+    ends = (server.wrap_bio(to_server, to_client, server_side=True), client.wrap_bio(to_client, to_server))
+    done = [False, False]
+    for _ in range(8):  # a handshake takes at most a few round trips
+        for index, end in enumerate(ends):
+            try:
+                end.do_handshake()
+                done[index] = True
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLError as exc:
+                return (exc.reason or str(exc)).lower().replace("_", " ")
+        if all(done):
+            return None
+    return "the handshake did not complete"
 
 
 def _describe(exc: BaseException) -> str:
