@@ -15,13 +15,12 @@ from typing import Any
 from kv_exporter.manifest import DEFAULT_LIMITS, DEFAULT_MANIFEST_DIR
 from kv_exporter.sidecar.app import DEFAULT_TELEMETRY_PATH, ExporterApp
 from kv_exporter.sidecar.buildinfo import build_info
+from kv_exporter.sidecar.connection import DEFAULT_MAX_CONNECTIONS, Limits
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
 from kv_exporter.sidecar.http import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
 from kv_exporter.sidecar.logs import FORMATS, LEVELS, setup_logging
 
 log = logging.getLogger("kv_exporter")
-
-SHUTDOWN_MARGIN_S = 5.0  # beyond the engine timeout, for reading manifests and rendering a scrape
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 _FACTORS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
@@ -223,6 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="exporter-toolkit web configuration (TLS, basic auth); needs the 'web' extra",
     )
+    serve.add_argument(
+        "--web.max-connections",
+        dest="max_connections",
+        type=_positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help="connections held at once; past it, the one waiting longest for a request is dropped (default "
+        "%(default)s)",
+    )
     _common(serve, DEFAULT_LISTEN_ADDRESS)
 
     report = commands.add_parser("report", help="print the declarations in a manifest folder, beside what they hold")
@@ -286,8 +294,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         _wait_for_signal()
     finally:
-        # A scrape in progress waits for its engine pages (at most the engine timeout), then renders.
-        if not server.stop(grace_s=args.engine_timeout + SHUTDOWN_MARGIN_S):
+        # A scrape in progress finishes within the collection deadline, or is stuck.
+        if not server.stop(grace_s=settings.deadline_s):
             log.warning("stopped with a scrape still being answered")
         collection.close()
         if isinstance(reader, NvmlReader):
@@ -299,13 +307,14 @@ def _listen(args: argparse.Namespace, app: ExporterApp) -> ExporterServer:
     """The HTTP server, with the exporter-toolkit web configuration when one is given."""
     from kv_exporter.sidecar.http import build_server
 
+    limits = Limits(max_connections=args.max_connections)
     if not args.web_config_file:
-        return build_server(args.listen_address, app)
+        return build_server(args.listen_address, app, limits=limits)
     from kv_exporter.web.reload import ReloadStatusCollector, WebConfigReloader
 
     reloader = WebConfigReloader(args.web_config_file)  # refuses to start on a bad file, as the toolkit does
     app.registry.register(ReloadStatusCollector(reloader))
-    return build_server(args.listen_address, app, reloader)
+    return build_server(args.listen_address, app, reloader, limits)
 
 
 def run_demo(args: argparse.Namespace) -> int:
