@@ -15,12 +15,15 @@ from typing import Any
 from kv_exporter.manifest import DEFAULT_LIMITS, DEFAULT_MANIFEST_DIR
 from kv_exporter.sidecar.app import DEFAULT_TELEMETRY_PATH, ExporterApp
 from kv_exporter.sidecar.buildinfo import build_info
+from kv_exporter.sidecar.collection import DEFAULT_COLLECTION_TIMEOUT_S
 from kv_exporter.sidecar.connection import DEFAULT_MAX_CONNECTIONS, Limits
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
 from kv_exporter.sidecar.http import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
 from kv_exporter.sidecar.logs import FORMATS, LEVELS, setup_logging
 
 log = logging.getLogger("kv_exporter")
+
+SHUTDOWN_MARGIN_S = 5.0  # beyond the engine timeout, for reading manifests and rendering a scrape
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 _FACTORS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
@@ -202,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds per engine page fetch, in total; keep below the scrape timeout (default %(default)s)",
     )
     serve.add_argument(
+        "--collection-timeout",
+        type=float,
+        default=DEFAULT_COLLECTION_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a collection running longer counts as stuck: scrapes waiting on it answer 503 and /healthz fails until "
+        "it returns; more than --engine-timeout (default %(default)s)",
+    )
+    serve.add_argument(
         "--engine-max-bytes",
         type=parse_size,
         default=DEFAULT_MAX_PAGE_BYTES,
@@ -280,6 +291,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_page_bytes=args.engine_max_bytes,
         manifest_limits=ManifestLimits(args.manifest_max_bytes, args.manifest_max_declarations),
         max_series=args.max_series,
+        deadline_s=args.collection_timeout,
     )
     collection = Collection(settings, reader)
     try:
@@ -294,8 +306,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         _wait_for_signal()
     finally:
-        # A scrape in progress finishes within the collection deadline, or is stuck.
-        if not server.stop(grace_s=settings.deadline_s):
+        # A scrape in progress waits for its engine pages (at most the engine timeout), then renders.
+        if not server.stop(grace_s=args.engine_timeout + SHUTDOWN_MARGIN_S):
             log.warning("stopped with a scrape still being answered")
         collection.close()
         if isinstance(reader, NvmlReader):
@@ -345,7 +357,10 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve" and args.collection_timeout <= args.engine_timeout:
+        parser.error("--collection-timeout must be more than --engine-timeout: every collection reads the engines")
     # report prints every problem in its own output; the readers' log lines would say each a second time.
     setup_logging("error" if args.command == "report" else args.log_level, getattr(args, "log_format", "logfmt"))
     for old, new in getattr(args, "deprecated", []):

@@ -179,7 +179,7 @@ def closing_times(socks: list[socket.socket], since: float, within_s: float) -> 
 
 def test_healthz_fails_while_a_collection_is_stuck_and_recovers(tmp_path: Path) -> None:
     hold = tmp_path / "hold"
-    args = ("--manifest-dir", str(tmp_path / "m"), "--engine-timeout", "1")
+    args = ("--manifest-dir", str(tmp_path / "m"), "--engine-timeout", "1", "--collection-timeout", "3")
     with sidecar(tmp_path, *args, entry=with_prelude(hanging_nvml(hold))) as sc:
         assert sc.get("/healthz")[0] == 200 and sc.get()[0] == 200
         hold.touch()  # NVML hangs from the next collection on
