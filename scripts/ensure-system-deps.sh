@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests drive for real: Prometheus and promtool (rules, unit tests, the
 # end-to-end chain), kubectl (kustomize rendering), yamllint, Chromium + chromedriver (browser tests),
-# docker-compose (compose file validation; no Docker engine is needed for `docker-compose config`), and the
-# shell script linter for the deploy scripts.
+# docker-compose (compose file validation; no Docker engine is needed for `docker-compose config`), the
+# shell script linter for the deploy scripts, and node_exporter (the reference an HTTP test compares the sidecar's
+# answers with, request by request: Go's net/http behind the exporter-toolkit; started on 127.0.0.1 by the test).
 # Run as root on Debian. Idempotent: silent and offline when everything is present; `apt-get update` runs at
 # most once, and only when something is missing.
 set -euo pipefail
@@ -17,6 +18,7 @@ declare -A WANT=(
     [chromedriver]=chromium-driver
     [docker-compose]=docker-compose
     [shellcheck]=shellcheck
+    [prometheus-node-exporter]=prometheus-node-exporter
 )
 
 missing=()
@@ -37,7 +39,7 @@ if [[ $EUID -ne 0 ]]; then
 fi
 
 # Package maintainer scripts must not start services here: Debian's prometheus would otherwise start a
-# server on :9090 on every interface. Respect an existing policy; add (and later remove) ours only if none.
+# server on :9090 on every interface (and node_exporter one on :9100). Respect an existing policy; add (and later remove) ours only if none.
 policy=/usr/sbin/policy-rc.d
 own_policy=0
 if [[ ! -e $policy ]]; then

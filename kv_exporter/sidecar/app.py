@@ -59,7 +59,7 @@ class ExporterApp:
         with self._pages_lock:
             flight = self._pages.get(key)
             if flight is None and len(self._pages) < _MAX_SHARED_FORMATS:  # the Accept header picks the key
-                flight = self._pages[key] = SingleFlight(render)
+                flight = self._pages[key] = SingleFlight(render)  # bounded: it waits on the collection
         return flight or render
 
     def _render(self, encoder: Encoder, content_type: str, compressed: bool) -> bytes:
@@ -71,3 +71,12 @@ class ExporterApp:
 
     def landing(self) -> bytes:
         return render_landing(self.collection.snapshot(), self.telemetry_path).encode()
+
+    def trouble(self) -> str | None:
+        """Why /healthz fails, or None. A collection stuck past its deadline fails every scrape until it returns,
+        which only a restart may bring about."""
+        overdue = self.collection.overdue_s()
+        if not overdue:
+            return None
+        deadline = self.collection.settings.deadline_s
+        return f"a collection has been running for {deadline + overdue:.0f} s, past its {deadline:g} s deadline"

@@ -15,6 +15,8 @@ from typing import Any
 from kv_exporter.manifest import DEFAULT_LIMITS, DEFAULT_MANIFEST_DIR
 from kv_exporter.sidecar.app import DEFAULT_TELEMETRY_PATH, ExporterApp
 from kv_exporter.sidecar.buildinfo import build_info
+from kv_exporter.sidecar.collection import DEFAULT_COLLECTION_TIMEOUT_S
+from kv_exporter.sidecar.connection import DEFAULT_MAX_CONNECTIONS, Limits
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
 from kv_exporter.sidecar.http import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
 from kv_exporter.sidecar.logs import FORMATS, LEVELS, setup_logging
@@ -203,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds per engine page fetch, in total; keep below the scrape timeout (default %(default)s)",
     )
     serve.add_argument(
+        "--collection-timeout",
+        type=float,
+        default=DEFAULT_COLLECTION_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a collection running longer counts as stuck: scrapes waiting on it answer 503 and /healthz fails until "
+        "it returns; more than --engine-timeout (default %(default)s)",
+    )
+    serve.add_argument(
         "--engine-max-bytes",
         type=parse_size,
         default=DEFAULT_MAX_PAGE_BYTES,
@@ -222,6 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
         dest="web_config_file",
         metavar="PATH",
         help="exporter-toolkit web configuration (TLS, basic auth); needs the 'web' extra",
+    )
+    serve.add_argument(
+        "--web.max-connections",
+        dest="max_connections",
+        type=_positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help="connections held at once; past it, the one waiting longest for a request is dropped (default "
+        "%(default)s)",
     )
     _common(serve, DEFAULT_LISTEN_ADDRESS)
 
@@ -272,6 +291,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_page_bytes=args.engine_max_bytes,
         manifest_limits=ManifestLimits(args.manifest_max_bytes, args.manifest_max_declarations),
         max_series=args.max_series,
+        deadline_s=args.collection_timeout,
     )
     collection = Collection(settings, reader)
     try:
@@ -299,13 +319,14 @@ def _listen(args: argparse.Namespace, app: ExporterApp) -> ExporterServer:
     """The HTTP server, with the exporter-toolkit web configuration when one is given."""
     from kv_exporter.sidecar.http import build_server
 
+    limits = Limits(max_connections=args.max_connections)
     if not args.web_config_file:
-        return build_server(args.listen_address, app)
+        return build_server(args.listen_address, app, limits=limits)
     from kv_exporter.web.reload import ReloadStatusCollector, WebConfigReloader
 
     reloader = WebConfigReloader(args.web_config_file)  # refuses to start on a bad file, as the toolkit does
     app.registry.register(ReloadStatusCollector(reloader))
-    return build_server(args.listen_address, app, reloader)
+    return build_server(args.listen_address, app, reloader, limits)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -336,7 +357,10 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve" and args.collection_timeout <= args.engine_timeout:
+        parser.error("--collection-timeout must be more than --engine-timeout: every collection reads the engines")
     # report prints every problem in its own output; the readers' log lines would say each a second time.
     setup_logging("error" if args.command == "report" else args.log_level, getattr(args, "log_format", "logfmt"))
     for old, new in getattr(args, "deprecated", []):

@@ -12,6 +12,7 @@ Concurrent scrapes share one collection (`SingleFlight`). Nothing runs between s
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import Counter
@@ -36,13 +37,25 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class SingleFlight(Generic[T]):
-    """Calls `fn` for the first caller; callers arriving while it runs wait and get the same result."""
+class FlightTimeout(RuntimeError):
+    """The shared call has run past its deadline: its waiters stop waiting (the call itself cannot be stopped)."""
 
-    def __init__(self, fn: Callable[[], T]) -> None:
+
+class SingleFlight(Generic[T]):
+    """Calls `fn` for the first caller; callers arriving while it runs wait and get the same result.
+
+    With `deadline_s`, `fn` runs in a thread of its own and every caller, the first included, waits at most until it
+    has run that long, then gets `FlightTimeout`: a call stuck in a read that never returns holds that thread, not a
+    scrape. Callers join it until it returns, so a stuck call never runs twice at once.
+    """
+
+    def __init__(self, fn: Callable[[], T], deadline_s: float | None = None) -> None:
         self._fn = fn
+        self._deadline_s = deadline_s
         self._lock = threading.Lock()
         self._flight: _Flight[T] | None = None
+        self._handed_over: queue.SimpleQueue[_Flight[T]] = queue.SimpleQueue()
+        self._runner: threading.Thread | None = None
 
     def __call__(self) -> T:
         with self._lock:
@@ -50,29 +63,58 @@ class SingleFlight(Generic[T]):
             leader = flight is None
             if flight is None:
                 flight = self._flight = _Flight()
-        if leader:
-            try:
-                flight.result = self._fn()
-            except BaseException as exc:
-                flight.error = exc
-                raise
-            finally:
-                with self._lock:
-                    self._flight = None
-                flight.done.set()
-            return flight.result
-        flight.done.wait()
+        if leader and self._deadline_s is None:
+            self._fly(flight)
+        elif leader:
+            self._hand_over(flight)
+        wait = None if self._deadline_s is None else max(0.0, flight.started + self._deadline_s - time.monotonic())
+        if not flight.done.wait(wait):
+            raise FlightTimeout(f"the collection has been running for {time.monotonic() - flight.started:.0f} s, "
+                                f"past its {self._deadline_s:g} s deadline")  # fmt: skip
         if flight.error is not None:
             raise flight.error
         assert flight.result is not None
         return flight.result
 
+    def _fly(self, flight: _Flight[T]) -> None:
+        try:
+            flight.result = self._fn()
+        except BaseException as exc:
+            flight.error = exc
+        finally:
+            with self._lock:
+                self._flight = None
+            flight.done.set()
+
+    def _hand_over(self, flight: _Flight[T]) -> None:
+        with self._lock:
+            if self._runner is None:  # a daemon: a call that never returns must not hold up the exit
+                self._runner = threading.Thread(target=self._run, name="kv-exporter-collection", daemon=True)
+                self._runner.start()
+        self._handed_over.put(flight)
+
+    def _run(self) -> None:
+        while True:
+            self._fly(self._handed_over.get())
+
+    def running_for(self) -> float:
+        """How long the call in progress has been running; 0 when none is."""
+        flight = self._flight
+        return 0.0 if flight is None else time.monotonic() - flight.started
+
 
 class _Flight(Generic[T]):
     def __init__(self) -> None:
+        self.started = time.monotonic()
         self.done = threading.Event()
         self.result: T | None = None
         self.error: BaseException | None = None
+
+
+# Past this a collection counts as stuck (a call that does not return): scrapes stop waiting for it and /healthz
+# fails. Healthy ones take the engine timeout at most plus a few seconds; the first one over 10,000 manifests on a
+# busy machine, up to 30 s (tests/reliability/test_many_files.py).
+DEFAULT_COLLECTION_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +126,7 @@ class CollectionSettings:
     manifest_limits: ManifestLimits = DEFAULT_LIMITS
     max_series: int = DEFAULT_MAX_SERIES
     proc: str = "/proc"
+    deadline_s: float = DEFAULT_COLLECTION_TIMEOUT_S
 
 
 class Collection:
@@ -99,7 +142,7 @@ class Collection:
         self.nvml_errors_total: Counter[str] = Counter()
         self._last_nvml_error: str | None = None
         self._last_dropped: tuple[str, ...] = ()
-        self.snapshot = SingleFlight(self._collect)
+        self.snapshot = SingleFlight(self._collect, settings.deadline_s)
 
     def _collect(self) -> Snapshot:
         started = time.perf_counter()
@@ -150,6 +193,10 @@ class Collection:
             if summary:
                 log.warning("GPU reader (%s): %s", gpu.source, summary)
             self._last_nvml_error = summary
+
+    def overdue_s(self) -> float:
+        """How far the collection in progress is past its deadline (stuck in a read that never returns); 0 if not."""
+        return max(0.0, self.snapshot.running_for() - self.settings.deadline_s)
 
     def close(self) -> None:
         self.pages.close()

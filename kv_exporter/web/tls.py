@@ -1,19 +1,19 @@
 """TLS for the exporter-toolkit web configuration: the server context, and the handshake of each connection.
 
 Go's `crypto/tls` names (client-auth policies, versions, cipher suites) are mapped onto Python's `ssl`; what `ssl`
-cannot honour is refused by `kv_exporter.web.config` when the file is read. `accept_connection` runs in the
-thread that serves the connection, so a slow handshake cannot stall the accept loop, and answers plain HTTP sent to
-the TLS port the way Go does.
+cannot honour is refused by `kv_exporter.web.config` when the file is read. `Handshake` runs each connection's
+handshake without blocking, so a slow client cannot stall the others, and answers plain HTTP sent to the TLS port
+the way Go does.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
 import os
 import socket
 import ssl
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +23,6 @@ from typing import Any
 logger = logging.getLogger("kv_exporter.web")
 
 HANDSHAKE_TIMEOUT_S = 10.0
-LINGER_S = 0.5  # how long a refused connection may keep sending before it is closed
 
 # What Go's net/http answers when plain HTTP reaches a TLS port, and the record starts it recognises as HTTP.
 PLAIN_HTTP_TO_TLS_RESPONSE = b"HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
@@ -102,20 +101,65 @@ class TLSSetupError(ValueError):
 
 
 def build_ssl_context(tls: TLSSettings) -> ssl.SSLContext:
-    """A server context for `tls`; raises `TLSSetupError` if a file is missing or a certificate is bad."""
+    """A server context for `tls`; raises `TLSSetupError` if a file is missing, a certificate is bad, or a TLS
+    version in min_version..max_version cannot be negotiated here."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = tls.min_version
-    context.maximum_version = tls.max_version
+    _set_versions(context, tls.min_version, tls.max_version)
     try:
         _require_files(tls)
         _load_server_certificate(context, tls)
-        _load_client_policy(context, tls)
         _set_ciphers(context, tls)
+        if tls.prefer_server_cipher_suites:
+            context.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
+        _require_negotiable_versions(context, tls)  # before the client policy: the probe sends no certificate
+        _load_client_policy(context, tls)
     except (OSError, ssl.SSLError, ValueError) as exc:
         raise TLSSetupError(_describe(exc)) from exc
-    if tls.prefer_server_cipher_suites:
-        context.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
     return context
+
+
+def _set_versions(context: ssl.SSLContext, lowest: ssl.TLSVersion, highest: ssl.TLSVersion) -> None:
+    with warnings.catch_warnings():  # TLS 1.0 and 1.1 are deprecated: `_require_negotiable_versions` decides
+        warnings.simplefilter("ignore", DeprecationWarning)
+        context.minimum_version = lowest
+        context.maximum_version = highest
+
+
+def _require_negotiable_versions(context: ssl.SSLContext, tls: TLSSettings) -> None:
+    """Every version in min_version..max_version must work for real: OpenSSL 3 accepts `minimum_version = TLSv1`
+    and then fails every TLS 1.0 handshake at security level 1 and above. One in-memory handshake per version."""
+    for name, version in TLS_VERSIONS.items():
+        if tls.min_version <= version <= tls.max_version:
+            failure = _handshake_failure(context, version)
+            if failure is not None:
+                raise ValueError(
+                    f"{name} (within min_version..max_version) cannot be negotiated here ({ssl.OPENSSL_VERSION}, "
+                    f"security level {context.security_level}): {failure}"
+                )
+
+
+def _handshake_failure(server: ssl.SSLContext, version: ssl.TLSVersion) -> str | None:
+    """Why a client speaking only `version` cannot complete a handshake with `server`; None if it can."""
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False
+    client.verify_mode = ssl.CERT_NONE
+    client.set_ciphers("ALL:@SECLEVEL=0")  # the probing client takes anything, so a refusal is the server's
+    _set_versions(client, version, version)
+    to_client, to_server = ssl.MemoryBIO(), ssl.MemoryBIO()
+    ends = (server.wrap_bio(to_server, to_client, server_side=True), client.wrap_bio(to_client, to_server))
+    done = [False, False]
+    for _ in range(8):  # a handshake takes at most a few round trips
+        for index, end in enumerate(ends):
+            try:
+                end.do_handshake()
+                done[index] = True
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLError as exc:
+                return (exc.reason or str(exc)).lower().replace("_", " ")
+        if all(done):
+            return None
+    return "the handshake did not complete"
 
 
 def _describe(exc: BaseException) -> str:
@@ -212,67 +256,49 @@ def peer_allowed(peercert: Mapping[str, Any] | None, allowed_sans: frozenset[str
     return any(_normalised_san(value) in allowed_sans for _, value in peercert.get("subjectAltName", ()))
 
 
-def accept_connection(
-    sock: socket.socket,
-    context: ssl.SSLContext,
-    allowed_sans: frozenset[str] | None,
-    timeout: float = HANDSHAKE_TIMEOUT_S,
-) -> socket.socket | None:
-    """The TLS socket after a handshake, or None (closed).
+class Handshake:
+    """One server-side TLS handshake on a non-blocking socket, advanced by `step` whenever the socket is ready.
 
-    Call it in the thread that serves the connection, not in the accept loop. Plain HTTP sent to a TLS port gets
-    Go's 400 answer; a failed handshake (wrong or missing client certificate, no common version) is logged at
-    debug level only, since scanners would otherwise flood the log.
+    Plain HTTP sent to the TLS port gets Go's 400 answer (`reply`); a failed handshake (wrong or missing client
+    certificate, no common version) is logged at debug level only, since scanners would otherwise flood the log.
     """
-    previous_timeout = sock.gettimeout()
-    sock.settimeout(timeout)
-    try:
-        if not _starts_tls(sock):
-            _linger_close(sock)
-            return None
-        conn = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-    except OSError as exc:
-        logger.debug("TLS connection refused before the handshake: %s", exc)
-        sock.close()
-        return None
-    try:
-        conn.do_handshake()
-        if not peer_allowed(conn.getpeercert(), allowed_sans):
-            raise ssl.SSLError("client certificate carries none of client_allowed_sans")
-    except OSError as exc:
-        logger.debug("TLS handshake failed: %s", exc)
-        _linger_close(conn)
-        return None
-    conn.settimeout(previous_timeout)
-    return conn
 
+    def __init__(self, sock: socket.socket, context: ssl.SSLContext, allowed_sans: frozenset[str] | None) -> None:
+        self.sock = sock  # the TLS socket once the first record shows a handshake
+        self.reply = b""  # what to send before closing a refused connection
+        self._context = context
+        self._allowed_sans = allowed_sans
+        self._tls: ssl.SSLSocket | None = None
+        self._plain = b""
 
-def _linger_close(sock: socket.socket) -> None:
-    """Close after the peer has seen our last bytes (a TLS alert, Go's 400 answer).
+    def step(self) -> str:
+        """What next: wait until the socket is ready to "read" or "write"; "done": `sock` is ready for HTTP;
+        "refused": send `reply`, then close."""
+        try:
+            if self._tls is None:
+                return self._first_bytes()
+            self._tls.do_handshake()
+            if not peer_allowed(self._tls.getpeercert(), self._allowed_sans):
+                raise ssl.SSLError("client certificate carries none of client_allowed_sans")
+        except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+            return "read"
+        except ssl.SSLWantWriteError:
+            return "write"
+        except OSError as exc:  # ssl.SSLError among them
+            logger.debug("TLS handshake failed: %s", exc)
+            return "refused"
+        return "done"
 
-    Closing with unread input makes the kernel send a reset, which can destroy those bytes before the client reads
-    them; so shut down our side, read what the client still sends for a moment, then close.
-    """
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(LINGER_S)
-        for _ in range(16):
-            if not sock.recv(4096):
-                break
-    sock.close()
-
-
-def _starts_tls(sock: socket.socket) -> bool:
-    """Peek at the first bytes: a TLS handshake record goes on; HTTP gets Go's 400 answer; anything else closes."""
-    head = sock.recv(5, socket.MSG_PEEK)
-    if head[:1] == bytes([_TLS_HANDSHAKE_RECORD]):
-        return True
-    if head.startswith(_HTTP_RECORD_STARTS):
-        sock.sendall(PLAIN_HTTP_TO_TLS_RESPONSE)
-    return False
-
-
-def close_quietly(conn: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        conn.shutdown(socket.SHUT_WR)
-    conn.close()
+    def _first_bytes(self) -> str:
+        """A TLS handshake record goes on; plain HTTP gets Go's answer; anything else is closed."""
+        if not self._plain and self.sock.recv(1, socket.MSG_PEEK) == bytes([_TLS_HANDSHAKE_RECORD]):
+            self._tls = self._context.wrap_socket(self.sock, server_side=True, do_handshake_on_connect=False)
+            self.sock = self._tls
+            return self.step()
+        chunk = self.sock.recv(len(_HTTP_RECORD_STARTS[0]) - len(self._plain))  # taken, not peeked: no busy wait
+        self._plain += chunk
+        if chunk and len(self._plain) < len(_HTTP_RECORD_STARTS[0]):
+            return "read"
+        if self._plain.startswith(_HTTP_RECORD_STARTS):
+            self.reply = PLAIN_HTTP_TO_TLS_RESPONSE
+        return "refused"

@@ -117,7 +117,14 @@ def test_the_series_accounting_matches_the_families() -> None:
 
 
 @pytest.mark.parametrize(
-    "flag", ["--max-series=0", "--manifest-max-declarations=0", "--manifest-max-bytes=0", "--max-series=x"]
+    "flag",
+    [
+        "--max-series=0",
+        "--manifest-max-declarations=0",
+        "--manifest-max-bytes=0",
+        "--max-series=x",
+        "--web.max-connections=0",
+    ],
 )
 def test_a_cap_below_one_is_refused(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:

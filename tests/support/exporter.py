@@ -11,6 +11,7 @@ from typing import Any
 from kv_exporter.gpu import GpuReader, SimulatedGpu
 from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
+from kv_exporter.sidecar.connection import Limits
 from kv_exporter.sidecar.engine_page import EngineTarget
 from kv_exporter.sidecar.http import ExporterServer, build_server, serve_in_thread, server_url
 from tests.support.constants import GPU_TOTAL, GPU_USED, OTHER_NS, UUID0
@@ -48,12 +49,13 @@ def exporter(
     reader: GpuReader | None = None,
     *,
     our_namespace: str = OTHER_NS,
+    limits: Limits = Limits(),  # noqa: B008  # frozen
     **settings: Any,
 ) -> Iterator[Exporter]:
     """Serve `manifest_dir` and the engine pages at `urls` on 127.0.0.1 (`settings`: CollectionSettings fields)."""
     targets = tuple(EngineTarget.parse(u) for u in urls)
     collection = Collection(CollectionSettings(str(manifest_dir), targets, **settings), reader, our_namespace)
-    server = build_server("127.0.0.1:0", ExporterApp(collection))
+    server = build_server("127.0.0.1:0", ExporterApp(collection), limits=limits)
     thread = serve_in_thread(server)
     try:
         yield Exporter(server_url(server), server, collection)

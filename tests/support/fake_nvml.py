@@ -1,9 +1,11 @@
 """A stand-in for the NVML binding (the one faked boundary): the same function names, raising pynvml's own error
-classes, behind the real NvmlReader."""
+classes (or hanging, as NVML can), behind the real NvmlReader."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -70,3 +72,25 @@ class FakeBinding:
     def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeDevice) -> list[Any]:
         dev = self._checked(handle)
         return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in dev.processes]
+
+
+class HangingBinding(FakeBinding):
+    """NVML as a GPU that fell off the bus leaves it: memory queries block while the file `hold` exists."""
+
+    def __init__(self, devices: list[FakeDevice], hold: Path) -> None:
+        super().__init__(devices)
+        self.hold = hold
+
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeDevice) -> Any:
+        while self.hold.exists():
+            time.sleep(0.05)
+        return super().nvmlDeviceGetMemoryInfo(handle)
+
+
+def hanging_nvml(hold: Path) -> str:
+    """Code for `tests.support.sidecar.with_prelude`: the sidecar's `pynvml` is one GPU behind a HangingBinding."""
+    device = "FakeDevice('GPU-00000000-0000-0000-0000-000000000000', 'NVIDIA H100 80GB HBM3', 80 << 30, 60 << 30)"
+    return (
+        "import sys\nfrom pathlib import Path\nfrom tests.support.fake_nvml import FakeDevice, HangingBinding\n"
+        f"sys.modules['pynvml'] = HangingBinding([{device}], Path({str(hold)!r}))"
+    )

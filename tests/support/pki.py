@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import socket
 import ssl
+import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,3 +133,38 @@ def client_context(pki: PKI, cert: Issued | None = None) -> ssl.SSLContext:
     if cert is not None:
         context.load_cert_chain(str(cert.cert), str(cert.key))
     return context
+
+
+def negotiable(pki: PKI, version: ssl.TLSVersion) -> bool:
+    """Whether this platform's OpenSSL, as Python sets it up, completes a handshake at `version` with the test
+    server certificate, over a real socket pair and an old client that takes any cipher. What a test expects of
+    `min_version: TLS10` depends on it: OpenSSL 3 refuses TLS 1.0 and 1.1 at security level 1 and above."""
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(str(pki.server.cert), str(pki.server.key))
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False
+    client.verify_mode = ssl.CERT_NONE
+    client.set_ciphers("ALL:@SECLEVEL=0")
+    with warnings.catch_warnings():  # TLS 1.0 and 1.1 are deprecated: that is what is being asked
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for context in (server, client):
+            context.minimum_version = context.maximum_version = version
+    ours, theirs = socket.socketpair()
+    accepting = threading.Thread(target=_accept_quietly, args=(server, ours))
+    accepting.start()
+    try:
+        client.wrap_socket(theirs).close()
+        return True
+    except OSError:  # ssl.SSLError among them
+        return False
+    finally:
+        theirs.close()  # the server side, if still waiting, sees the end and gives up
+        accepting.join(10)
+        ours.close()
+
+
+def _accept_quietly(context: ssl.SSLContext, sock: socket.socket) -> None:
+    try:
+        context.wrap_socket(sock, server_side=True).close()
+    except OSError:
+        sock.close()

@@ -171,6 +171,17 @@ def test_serve_refuses_a_taken_port(tmp_path: Path) -> None:
     assert "cannot serve" in result.stderr
 
 
+@pytest.mark.parametrize("collection_timeout", ["3", "2.5"])
+def test_the_collection_timeout_must_exceed_the_engine_timeout(
+    collection_timeout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Every collection reads the engines: a collection timeout within the engine timeout would call a slow engine stuck.
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--engine-timeout", "3", "--collection-timeout", collection_timeout])
+    assert info.value.code == 2
+    assert "--collection-timeout must be more than --engine-timeout" in capsys.readouterr().err
+
+
 def test_demo_shows_every_contract_metric(tmp_path: Path) -> None:
     with sidecar(tmp_path, command="demo") as demo:
         text = demo.text()

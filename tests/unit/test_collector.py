@@ -17,7 +17,12 @@ from hypothesis import strategies as st
 from kv_exporter.gpu import GpuMemory
 from kv_exporter.manifest import Manifest, write_manifest
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
-from kv_exporter.sidecar.collection import Collection, CollectionSettings, SingleFlight
+from kv_exporter.sidecar.collection import (
+    Collection,
+    CollectionSettings,
+    FlightTimeout,
+    SingleFlight,
+)
 from kv_exporter.sidecar.engine_page import EngineTarget, scan_page
 from kv_exporter.sidecar.families import families
 from kv_exporter.sidecar.inputs import ManifestStore, assess
@@ -267,6 +272,34 @@ def test_single_flight_propagates_errors_and_recovers() -> None:
     with pytest.raises(ValueError):
         flight()
     assert flight() == 7
+
+
+def test_a_stuck_call_costs_its_callers_at_most_the_deadline_and_is_never_run_twice() -> None:
+    calls: list[int] = []
+    release = threading.Event()
+
+    def stuck() -> int:
+        calls.append(1)
+        release.wait(30)  # a read that does not return
+        return len(calls)
+
+    flight = SingleFlight(stuck, deadline_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(FlightTimeout, match=r"past its 0\.3 s deadline"):
+        flight()  # the caller that started it gives up too
+    assert 0.25 < time.monotonic() - started < 2
+    assert flight.running_for() >= 0.3
+    quick = time.monotonic()
+    with pytest.raises(FlightTimeout):
+        flight()  # a later caller joins the stuck call, past its deadline already
+    assert time.monotonic() - quick < 0.2
+    assert calls == [1]
+    release.set()
+    deadline = time.monotonic() + 5
+    while flight.running_for() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert flight.running_for() == 0
+    assert flight() == 2  # back to normal once it returned
 
 
 def test_collection_end_to_end(tmp_path: Path) -> None:

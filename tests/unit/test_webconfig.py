@@ -17,8 +17,9 @@ import pytest
 from kv_exporter.web.auth import BCRYPT_MAX_PASSWORD_BYTES, parse_basic_authorization
 from kv_exporter.web.config import ALLOWED_HEADERS, UNSUPPORTED, WebConfig, WebConfigError
 from kv_exporter.web.reload import WebConfigReloader
+from kv_exporter.web.tls import TLS_VERSIONS
 from tests.support.net import basic_authorization
-from tests.support.pki import PKI, make_pki
+from tests.support.pki import PKI, make_pki, negotiable
 
 # Cost 4 (bcrypt's minimum) keeps the tests fast; one test uses the toolkit's documented cost 10.
 HASH = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(4)).decode()
@@ -175,6 +176,17 @@ def test_refused_without_tls(tmp_path: Path, text: str, match: str) -> None:
 )
 def test_refused_tls_settings(tmp_path: Path, pki: PKI, extra: str, match: str) -> None:
     refused(tmp_path, tls_block(pki, extra), match)
+
+
+@pytest.mark.parametrize("version", ["TLS10", "TLS11", "TLS12", "TLS13"])
+def test_a_tls_version_is_loaded_only_if_it_can_be_negotiated_here(tmp_path: Path, pki: PKI, version: str) -> None:
+    """OpenSSL 3 takes `minimum_version = TLSv1` and then fails every TLS 1.0 handshake (security level 1 and up):
+    such a version is refused at load, with the reason, rather than silently not honoured."""
+    text = tls_block(pki, f"  min_version: {version}\n  max_version: {version}\n")
+    if negotiable(pki, TLS_VERSIONS[version]):
+        assert load(tmp_path, text).tls_enabled
+    else:
+        refused(tmp_path, text, f"{version} .*cannot be negotiated here .*security level")
 
 
 def test_a_missing_certificate_or_key_is_named(tmp_path: Path, pki: PKI) -> None:

@@ -21,12 +21,14 @@ import pytest
 from kv_exporter.manifest import write_manifest
 from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
+from kv_exporter.sidecar.connection import Limits
 from kv_exporter.sidecar.http import ExporterServer, build_server, serve_in_thread
 from kv_exporter.web.reload import WebConfigReloader
 from kv_exporter.web.tls import PLAIN_HTTP_TO_TLS_RESPONSE
 from tests.support import net
 from tests.support.manifests import reference_manifest
 from tests.support.pki import PKI, Issued, client_context, make_pki
+from tests.support.raw_http import Answers
 
 PASSWORD = "correct horse"
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
@@ -67,8 +69,7 @@ def serve(tmp_path: Path) -> Iterator[Serve]:
         path.write_text(text)
         reloader = WebConfigReloader(path, interval=0.0)  # re-check on every request: reload tests stay fast
         collection = Collection(CollectionSettings(manifest_dir=str(manifests)), None)
-        server = build_server("127.0.0.1:0", ExporterApp(collection), reloader)
-        server.handshake_timeout_s = 3.0
+        server = build_server("127.0.0.1:0", ExporterApp(collection), reloader, Limits(handshake_timeout_s=3.0))
         running.append(Running(server, collection))
         return running[-1]
 
@@ -244,12 +245,26 @@ def test_configured_cipher_suites_are_the_ones_negotiated(pki: PKI, serve: Serve
 
 
 def test_a_stalled_client_does_not_block_the_others(pki: PKI, serve: Serve) -> None:
-    # The handshake runs in the worker thread: a connection that never speaks TLS must not hold the accept loop.
+    # Handshakes never block: a connection that never speaks TLS must not hold up the others.
     running = serve(tls_config(pki))
     with socket.create_connection((running.host, running.port), timeout=TIMEOUT_S):
         started = time.monotonic()
         assert get(running, client_context(pki))[0] == 200
         assert time.monotonic() - started < 2.0
+
+
+def test_keep_alive_and_pipelining_over_tls(pki: PKI, serve: Serve) -> None:
+    # Decrypted bytes wait in the TLS layer, where the selector cannot see them: two requests in one record.
+    running = serve(tls_config(pki))
+    raw = socket.create_connection((running.host, running.port), timeout=TIMEOUT_S)
+    with client_context(pki).wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        request = b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        tls.sendall(request + request)
+        answers = Answers(tls)
+        first, second = answers.next(TIMEOUT_S), answers.next(TIMEOUT_S)
+        tls.sendall(request)
+        third = answers.next(TIMEOUT_S)
+    assert [answer and answer[0] for answer in (first, second, third)] == [200, 200, 200]
 
 
 def test_a_stalled_client_is_dropped_after_the_handshake_timeout(pki: PKI, serve: Serve) -> None:

@@ -1,0 +1,67 @@
+"""The connection loop in this process, with small limits: who is dropped at the connection cap, the idle and head
+deadlines, pipelined and HEAD requests. The same against the sidecar process, with its real limits:
+tests/reliability/test_http_faults.py."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from kv_exporter.sidecar.connection import Limits
+from tests.support.exporter import Exporter, exporter
+from tests.support.raw_http import Answers, Exchange, closed_within, exchange
+
+GET = b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n"
+
+
+def address(e: Exporter) -> tuple[str, int]:
+    return e.server.server_address
+
+
+def scraped(conn: socket.socket) -> int:
+    """One request on an open connection; its status (0 if none came)."""
+    conn.sendall(GET)
+    answer = Answers(conn).next(10)
+    return 0 if answer is None else answer[0]
+
+
+def test_at_the_cap_the_connection_waiting_longest_makes_room(tmp_path: Path) -> None:
+    with exporter(tmp_path, limits=Limits(max_connections=3)) as e:
+        first, second, third = (socket.create_connection(address(e), timeout=10) for _ in range(3))
+        for conn in (first, second, third):
+            assert scraped(conn) == 200  # each waits for its next request from now on, first the longest
+        assert scraped(first) == 200  # now second has waited longest
+        assert exchange(address(e), GET) == Exchange((200,), False)  # a newcomer at the cap is served
+        assert closed_within(second, 5) is not None
+        assert closed_within(first, 0.2) is None and closed_within(third, 0.2) is None
+        assert scraped(first) == 200 and scraped(third) == 200
+
+
+def test_an_idle_connection_is_closed_after_the_idle_timeout(tmp_path: Path) -> None:
+    with exporter(tmp_path, limits=Limits(idle_timeout_s=0.5)) as e:
+        conn = socket.create_connection(address(e), timeout=10)
+        assert scraped(conn) == 200
+        waited = closed_within(conn, 10)
+    assert waited is not None and 0.4 < waited < 3
+
+
+def test_a_head_has_the_head_timeout_from_its_first_byte(tmp_path: Path) -> None:
+    with exporter(tmp_path, limits=Limits(idle_timeout_s=30, head_timeout_s=0.5)) as e:
+        conn = socket.create_connection(address(e), timeout=10)
+        assert scraped(conn) == 200
+        assert closed_within(conn, 1.0) is None  # idle: the idle timeout applies
+        conn.sendall(GET[:10])
+        waited = closed_within(conn, 10)
+    assert waited is not None and 0.4 < waited < 3
+
+
+def test_pipelined_requests_are_answered_in_order_and_head_has_no_body(tmp_path: Path) -> None:
+    head = b"HEAD /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    with exporter(tmp_path) as e, socket.create_connection(address(e), timeout=10) as conn:
+        conn.sendall(GET + head + b"GET /nope HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        answers = Answers(conn)
+        got = [answers.next(10), answers.next(10, head_request=True), answers.next(10)]
+        assert [answer[0] if answer else None for answer in got] == [200, 200, 404]
+        assert got[0] is not None and got[1] is not None
+        assert int(got[1][1]["content-length"]) > 1000  # the length of the page it leaves out
+        assert answers.buffer == b""  # nothing after the three answers: HEAD's came without a body
