@@ -22,6 +22,9 @@ from tests.support.constants import REPO
 from tests.support.net import free_port
 
 VLLM_VENV = REPO / ".venv-vllm"
+# .venv-vllm installs kv_exporter and the test plugin in editable mode from whichever checkout built it; these put
+# this checkout's copies first, in every process of the server.
+CHECKOUT_PATHS = (REPO, REPO / "tests" / "engine" / "testplugin")
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 SERVED_NAME = "kvx-tiny"
 MAX_NUM_SEQS = 8
@@ -133,9 +136,11 @@ def start_server(
     report_dir = workdir / "report"
     report_dir.mkdir(exist_ok=True)
     port = free_port()
+    python_path = [str(path) for path in CHECKOUT_PATHS] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     full_env = {
         **os.environ,
         **BASE_ENV,
+        "PYTHONPATH": os.pathsep.join(python_path),
         "KV_EXPORTER_DIR": str(manifests),
         "KVX_TEST_REPORT_DIR": str(report_dir),
         **(env or {}),
