@@ -45,7 +45,9 @@ A block: W waves of {MAX_NUM_SEQS} concurrent completions of T tokens (ignore_eo
 {MAX_NUM_SEQS} sequences per step. Per block: generated tokens (vLLM's own vllm:generation_tokens_total) / wall
 time; vLLM's mean inter-token latency (vllm:inter_token_latency_seconds sum / count over the block); CPU time per
 1,000 tokens of the worker process (all its threads, the sampler's too) and of the server's whole process group
-(/proc). Ratios are on / off: the ratio of the medians, and the median of each pair's ratio (the claim).
+(/proc). Ratios are on / off: the ratio of the medians, and the median of each pair's ratio (the claim). And from
+inside the "on" worker, the duration of its last sample at the end of each block (the manifest's duration_s): the
+sampler's share of the worker's time, a figure other processes' load does not blur.
 """
 
 
@@ -64,6 +66,8 @@ class Block:
     itl_ms: float
     worker_cpu_ms_per_1k: float
     server_cpu_ms_per_1k: float
+    sample_ms: float | None  # the worker's last sample when the block ended: its duration (None: observation off)
+    sampled_caches: int
 
 
 FIGURES: tuple[tuple[str, str, Callable[[Block], float]], ...] = (
@@ -100,11 +104,17 @@ def block(server: Server, waves: int, tokens: int) -> Block:
     after = counters(server, worker)
     generated = after.tokens - before.tokens
     assert generated == waves * MAX_NUM_SEQS * tokens, generated
+    [path] = server.manifests()
+    sample = read_manifest(path).observation
+    assert sample is not None
+    on = sample.state is ObservationState.OK
     return Block(
         tokens_per_s=generated / wall,
         itl_ms=(after.itl_sum - before.itl_sum) / (after.itl_count - before.itl_count) * 1000,
         worker_cpu_ms_per_1k=(after.worker_cpu_s - before.worker_cpu_s) / generated * 1e6,
         server_cpu_ms_per_1k=(after.server_cpu_s - before.server_cpu_s) / generated * 1e6,
+        sample_ms=sample.duration_s * 1000 if on else None,
+        sampled_caches=sum(owner.caches for owner in sample.owners),
     )
 
 
@@ -171,6 +181,11 @@ def measure(report: Report, pairs: int, waves: int, tokens: int) -> float:
         paired = statistics.median(a / b for a, b in zip(on, off, strict=True))
         report.note(f"{name}: on / off, medians", f"{statistics.median(on) / statistics.median(off):.4f}")
         report.note(f"{name}: on / off, median of pairs", f"{paired:.4f}")
+    samples = [b.sample_ms for b in blocks["on"] if b.sample_ms is not None]
+    report.stats("a sample in the engine's worker (wall)", summarize(samples))
+    report.note("caches in those samples (median)", statistics.median(b.sampled_caches for b in blocks["on"]))
+    share = statistics.median(samples) / 1000 / float(INTERVALS["on"])
+    report.note("the sampler's share of the worker's time (median sample / interval)", f"{share:.5f}")
     return statistics.median(a.tokens_per_s / b.tokens_per_s for a, b in zip(blocks["on"], blocks["off"], strict=True))
 
 

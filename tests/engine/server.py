@@ -129,8 +129,10 @@ def start_server(
     env: dict[str, str] | None = None,
     args: list[str] | None = None,
     manifest_dir: Path | None = None,
+    eager: bool = True,
 ) -> Server:
-    """Start the real OpenAI-compatible server (not yet ready: call wait_ready)."""
+    """Start the real OpenAI-compatible server (not yet ready: call wait_ready). `eager=False` leaves out
+    --enforce-eager: vLLM's CPU path then compiles the model's backbone (dynamo, inductor)."""
     workdir.mkdir(parents=True, exist_ok=True)
     manifests = manifest_dir or workdir / "manifests"
     report_dir = workdir / "report"
@@ -149,7 +151,8 @@ def start_server(
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", SERVED_NAME,
         "--host", "127.0.0.1", "--port", str(port),
-        "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", str(MAX_NUM_SEQS), "--dtype", "float32",
+        *(["--enforce-eager"] if eager else []),
+        "--max-model-len", "256", "--max-num-seqs", str(MAX_NUM_SEQS), "--dtype", "float32",
         *(args or []),
     ]  # fmt: skip
     log_path = workdir / "server.log"

@@ -1,12 +1,14 @@
-"""Observed beside declared in a real vLLM 0.32 CPU server, default multi-process layout, --enforce-eager.
+"""Observed beside declared in a real vLLM 0.32 CPU server, default multi-process layout, with --enforce-eager and
+without it (vLLM's CPU default then compiles the Qwen2 backbone with dynamo and inductor; the owners run beside it,
+outside the compiled region, as a model's side modules do).
 
 The served architecture (kvx_testplugin/observed.py) has four inner owners whose real transformers caches live and
 die with the requests: `truthful` (declares max_num_seqs rows, holds one per running request), `under` (declares one
 FIXED row, holds one per running request), `undeclared` (declares nothing, holds one per running request) and `never`
 (declares max_num_seqs rows, never allocates). The worker samples every second (KV_EXPORTER_OBSERVE_INTERVAL=1); a
 real sidecar reads its manifest and the engine's page. Under sustained load, idle, and with the sampler stopped
-(the worker SIGSTOPped), the sidecar's pages are recorded into tests/fixtures/observed/ (tests/deploy/
-test_observed_alerts.py runs the shipped alerts on them).
+(the worker SIGSTOPped), the eager engine's sidecar pages are recorded into tests/fixtures/observed/
+(tests/deploy/test_observed_alerts.py runs the shipped alerts on them).
 
 Why the comparison is exact under load, whatever the timing:
 
@@ -81,6 +83,7 @@ def ceiling(owner: str) -> int:
 
 @dataclass
 class Scenario:
+    eager: bool
     server: Server
     worker_pid: int
     busy: list[Reading]  # under load, every scrape whose sample is known
@@ -140,8 +143,9 @@ def warmup_manifest(server: Server) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
+@pytest.fixture(scope="module", params=["enforce-eager", "torch-compile"])
+def scenario(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
+    eager = request.param == "enforce-eager"
     workdir = tmp_path_factory.mktemp("observed")
     model = build_model(workdir / "model", architecture=g.OBSERVED_ARCHITECTURE)
     server = start_server(
@@ -149,6 +153,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         model,
         env={"KV_EXPORTER_OBSERVE_INTERVAL": "1"},
         args=["--worker-cls", "kvx_testplugin.worker.KvxRequestsCPUWorker", "--shutdown-timeout", "10"],
+        eager=eager,
     )
     try:
         server.wait_ready()
@@ -160,7 +165,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
             idle = poll("every cache released, nothing running", lambda: read_once(running, manifest), is_idle)
             stopped, resumed = sampler_stopped(running, worker)
             log = HeldLog.read(server.report_dir / f"held-{worker}.jsonl")
-            yield Scenario(server, worker, busy, idle, stopped, resumed, log, completed)
+            yield Scenario(eager, server, worker, busy, idle, stopped, resumed, log, completed)
     finally:
         server.stop()
 
@@ -206,6 +211,10 @@ def test_the_worker_process_samples_and_serving_goes_on(scenario: Scenario) -> N
     assert parent_pid(parent_pid(scenario.worker_pid)) == scenario.server.pid  # API server -> engine core -> worker
     assert {d.owner for d in manifest.declarations} == {g.TRUTHFUL_OWNER, g.UNDER_OWNER, g.NEVER_OWNER}
     assert manifest.observation is not None and manifest.observation.interval_s == 1.0
+    log = scenario.server.log()
+    assert f"enforce_eager={scenario.eager}," in log
+    # Without it vLLM's CPU platform compiles the backbone, as the engine's config line says.
+    assert ("'mode': <CompilationMode.DYNAMO_TRACE_ONCE" in log) is not scenario.eager
     assert scenario.completed >= CLIENTS
     assert scenario.server.completion("Still serving", 8)["usage"]["completion_tokens"] == 8
 
@@ -288,6 +297,8 @@ def signature(text: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
 
 
 def test_recorded_pages(scenario: Scenario) -> None:
+    if not scenario.eager:
+        pytest.skip("the recorded pages are the --enforce-eager engine's")
     pages = {
         "under-load.prom": busiest(scenario).page.text,
         "idle.prom": scenario.idle.page.text,
