@@ -41,7 +41,7 @@ BENCHES = (
     Bench("concurrency", "bench_concurrency", ("--seconds", "9")),
     Bench("hook", "bench_hook", ("--repeats", "10")),  # the hook helper's; optional
     Bench("observe", "bench_observe", ("--repeats", "5", "--creations", "5000")),
-    Bench("decode", "bench_decode", ("--pairs", "4", "--waves", "2"), engine=True),
+    Bench("decode", "bench_decode", ("--pairs", "4", "--most", "8"), engine=True),
 )
 
 
