@@ -1,11 +1,11 @@
 """What observing the live caches costs a worker: per cache created, per sample, and for other threads' GIL.
 
-    .venv/bin/python bench/bench_observe.py [--repeats N] [--creations N] [--sizes 10,100,1000] [--json-out FILE]
+    .venv/bin/python -m bench.bench_observe [--repeats N] [--creations N] [--sizes 10,100,1000] [--json-out FILE]
 
 Three parts, in the same run. Creation: `DynamicCache()` made (and dropped) in a loop inside a model's
 forward, tracked against untracked. Sample: the whole sample's wall and CPU time at 10, 100 and 1,000 live
 caches. GIL: the longest a busy probe thread waits while a sample runs, against the same probe with no sample,
-and against a sample that never pauses. Exit status 1 when a target is missed.
+and against a sample that never pauses. A missed target is reported (MISS), not an error.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from benchlib import Report, summarize
 from torch import nn
 from transformers import DynamicCache
 
+from bench.benchlib import Report, summarize
 from kv_exporter.observation import ObservationState
 from kv_exporter.plugin import observe
 from kv_exporter.plugin.hooks import install_post_import
@@ -279,19 +279,19 @@ def main() -> int:
     added = creation_costs(report, args.repeats, args.creations)
     longest = sample_costs(report, [int(size) for size in args.sizes.split(",")], args.repeats)
     attach_cost(report, args.repeats)
-    ok = report.check(
+    report.check(
         f"<= {CREATION_BUDGET_US:g} us added per cache made in a declarer's code",
         f"{added['declarer']:.2f} us",
         added["declarer"] <= CREATION_BUDGET_US,
     )
     biggest = max(longest)
-    ok &= report.check(
+    report.check(
         f"longest GIL hold per sample at {biggest:,} caches <= {GIL_BUDGET_MS:g} ms",
         f"{longest[biggest]:.2f} ms",
         longest[biggest] <= GIL_BUDGET_MS,
     )
     report.finish(args.json_out)
-    return 0 if ok else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -22,9 +22,21 @@ from bench.benchlib import (
     interleaved,
     summarize,
 )
-from bench.deployment import SCRAPE_LAYOUT, source_at, start_deployment, start_sidecar, text_page
+from bench.deployment import (
+    SCRAPE_LAYOUT,
+    Running,
+    source_at,
+    start_deployment,
+    start_sidecar,
+    text_page,
+    verify,
+    write_deployment,
+)
+from kv_exporter.plugin.settings import DEFAULT_OBSERVE_INTERVAL_S
 
 OURS, BASELINE = "kv-exporter", "baseline (plain gauges)"
+OBSERVED = "kv-exporter, observed"
+OBSERVED_BUDGET = 0.10  # the observed set's median within 10% of the declared-only one's
 MEDIAN_MS = 5.0
 IDLE_GAP_S = 1.0
 P99_MS = 20.0
@@ -39,6 +51,9 @@ start_http_server in its own process serving plain Gauges holding exactly the sa
 Runs alternate in blocks of 100 scrapes, the first of each block not counted (a wake-up after idling, shown
 apart: "first scrape after 1 s idle"); 50 warm-up scrapes each are not counted. CPU: each server process's
 user + system time over its counted scrapes (less noisy than wall time on a shared machine).
+Observed: a second sidecar, same engines, same run, on the same manifests each carrying a sample as the hook writes
+it (every declaring owner holding its caches at half of max_num_seqs, an undeclared owner, an unattributed one),
+rewritten every {DEFAULT_OBSERVE_INTERVAL_S:g} s with a new sample time, as the workers' samplers do.
 With --compare-with REF, the sidecar as of that commit runs too, on the same manifests and engines.
 """
 
@@ -67,6 +82,14 @@ def main() -> int:
         report.ratio(f"CPU ({OURS} / {other})", subjects[OURS].cpu_s, subjects[other].cpu_s)
     report.check(f"median <= {MEDIAN_MS:g} ms", f"{ours.median:.2f} ms", ours.median <= MEDIAN_MS)
     report.check(f"p99 <= {P99_MS:g} ms", f"{ours.p99:.2f} ms", ours.p99 <= P99_MS)
+    observed = stats[OBSERVED].median / ours.median
+    report.note(f"median ({OBSERVED} / {OURS})", f"{observed:.3f}")
+    report.note(f"CPU ({OBSERVED} / {OURS})", f"{subjects[OBSERVED].cpu_s / subjects[OURS].cpu_s:.3f}")
+    report.check(
+        f"observed set's median within {OBSERVED_BUDGET:.0%} of the declared-only one's",
+        f"{observed:.3f} x",
+        abs(observed - 1) <= OBSERVED_BUDGET,
+    )
     report.finish(args.json_out)
     return 0
 
@@ -75,12 +98,21 @@ def measure(
     kids: Children, tmp: Path, scrapes: int, compare_with: str | None, idle_scrapes: int, report: Report
 ) -> tuple[dict[str, Subject], float]:
     """Scrape every subject `scrapes` times (after 50 uncounted); returns them and the engines' CPU seconds."""
-    running = start_deployment(kids, SCRAPE_LAYOUT, tmp)
+    observed_folder = tmp / "observed"
+    running = start_deployment(kids, SCRAPE_LAYOUT, tmp, refresh=observed_folder / "manifests")
     spec = equivalent_spec(text_page(running.port))
     report.note("series on the page", series_count(spec))
     baseline_pid, baseline_port = start_baseline(kids, spec, tmp)
+    write_deployment(observed_folder / "manifests", SCRAPE_LAYOUT, running.engines.pid, observed=True)
+    observed = start_sidecar(kids, SCRAPE_LAYOUT, observed_folder, running.engines.pid, running.engine_ports)
+    verify(Running(running.engines, running.engine_ports, observed, observed_folder), SCRAPE_LAYOUT)
+    observed_page = text_page(observed.port)
+    if 'state="ok"} 1.0' not in observed_page:
+        raise RuntimeError(f"the observed sidecar exports no usable observation; see {observed_folder}")
+    report.note("series on the observed page", series_count(equivalent_spec(observed_page)))
     subjects = {
         OURS: Subject(running.sidecar.pid, Scraper("127.0.0.1", running.port)),
+        OBSERVED: Subject(observed.pid, Scraper("127.0.0.1", observed.port)),
         BASELINE: Subject(baseline_pid, Scraper("127.0.0.1", baseline_port)),
     }
     if compare_with:

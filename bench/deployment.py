@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,8 +28,11 @@ from kv_exporter.manifest import (
     ProcessInfo,
     current_pid_namespace,
     process_start_ticks,
+    read_manifest,
     write_manifest,
 )
+from kv_exporter.observation import Observation, ObservationState, OwnerObservation
+from kv_exporter.plugin.settings import DEFAULT_OBSERVE_INTERVAL_S
 from kv_exporter.reference import REFERENCE_MODELS
 from kv_exporter.sidecar.engine_page import STAGE_METRIC
 from tests.support.constants import REPO, SIMULATE_GPU, gpu_uuid
@@ -93,8 +97,36 @@ def worker_declarations(rank: int, gpus: int, count: int) -> tuple[Declaration, 
     return tuple(result)
 
 
-def write_deployment(folder: Path, layout: Layout, pid: int) -> int:
-    """One manifest per worker, all owned by the live process `pid` (so the liveness check passes on /proc).
+def observation_of(declarations: Sequence[Declaration], taken_at: float) -> Observation:
+    """A worker's sample as the hook would take it: each declaring owner holding its caches at half of
+    max_num_seqs (fixed ones in full), plus an undeclared owner and caches no module made."""
+    held: dict[str, tuple[int, int]] = {}
+    for d in declarations:
+        rows = d.rows_at(MAX_NUM_SEQS // 2)
+        bytes_held, caches = held.get(d.owner, (0, 0))
+        held[d.owner] = (bytes_held + rows * d.bytes_per_row, caches + rows)
+    held["blocks.extra.scratch"] = (1 << 20, 1)
+    held["unattributed"] = (1 << 16, 1)
+    owners = tuple(OwnerObservation(owner, bytes_held, caches) for owner, (bytes_held, caches) in sorted(held.items()))
+    return Observation(ObservationState.OK, "", DEFAULT_OBSERVE_INTERVAL_S, taken_at, 0.002, owners)
+
+
+def refresh_observations(folder: Path) -> int:
+    """Rewrite every manifest in `folder` with a new sample time, as each worker's sampler does every interval."""
+    now = time.time()
+    rewritten = 0
+    for path in sorted(folder.glob("*.json")):
+        manifest = read_manifest(path)
+        if manifest.observation is not None:
+            sample = dataclasses.replace(manifest.observation, taken_at=now)
+            write_manifest(folder, dataclasses.replace(manifest, observation=sample, written_at=now))
+            rewritten += 1
+    return rewritten
+
+
+def write_deployment(folder: Path, layout: Layout, pid: int, observed: bool = False) -> int:
+    """One manifest per worker, all owned by the live process `pid` (so the liveness check passes on /proc);
+    `observed`: each carries a sample (`observation_of`), which `refresh_observations` keeps fresh.
 
     Returns the number of declarations written.
     """
@@ -104,6 +136,7 @@ def write_deployment(folder: Path, layout: Layout, pid: int) -> int:
     written = 0
     for worker in range(layout.workers):
         stage, rank, gpu = layout.place(worker)
+        declarations = worker_declarations(rank, layout.gpus, layout.per_worker)
         manifest = Manifest(
             engine=EngineIdentity(model_name=MODEL, stage=stage, engine_index=0, tp_rank=rank),
             process=process,
@@ -111,8 +144,9 @@ def write_deployment(folder: Path, layout: Layout, pid: int) -> int:
             max_num_seqs=MAX_NUM_SEQS,
             phase=Phase.WARMUP,
             collector="kv_exporter",
-            declarations=worker_declarations(rank, layout.gpus, layout.per_worker),
+            declarations=declarations,
             written_at=1_764_480_000.0,
+            observation=observation_of(declarations, time.time()) if observed else None,
         )
         write_manifest(folder, manifest)
         written += layout.per_worker
@@ -146,16 +180,22 @@ class Running:
         return self.sidecar.port
 
 
-def start_engines(kids: Children, stages: int) -> tuple[subprocess.Popen[bytes], tuple[int, ...]]:
-    proc = kids.start(module_argv("engines", "--stages", str(stages)), stdout=subprocess.PIPE)
+def start_engines(
+    kids: Children, stages: int, refresh: Path | None = None
+) -> tuple[subprocess.Popen[bytes], tuple[int, ...]]:
+    """`refresh`: a manifest folder whose observations the engines' process keeps fresh (`refresh_observations`)."""
+    more = ("--refresh-observations", str(refresh)) if refresh else ()
+    proc = kids.start(module_argv("engines", "--stages", str(stages), *more), stdout=subprocess.PIPE)
     ready = read_json_line(proc)
     return proc, tuple(ready["ports"])
 
 
-def start_deployment(kids: Children, layout: Layout, folder: Path, extra: Sequence[str] = ()) -> Running:
+def start_deployment(
+    kids: Children, layout: Layout, folder: Path, extra: Sequence[str] = (), refresh: Path | None = None
+) -> Running:
     """Engines, manifests, and the sidecar serving them (`extra`: more `serve` options); checked to export what
-    the layout declares."""
-    engines, engine_ports = start_engines(kids, layout.stages)
+    the layout declares. `refresh`: as for `start_engines`."""
+    engines, engine_ports = start_engines(kids, layout.stages, refresh)
     write_deployment(folder / "manifests", layout, engines.pid)
     sidecar = start_sidecar(kids, layout, folder, engines.pid, engine_ports, extra)
     running = Running(engines, engine_ports, sidecar, folder)

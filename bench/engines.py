@@ -2,8 +2,9 @@
 127.0.0.1, each serving the recorded real vLLM page (~600 lines) with that stage's running count, which moves on
 every request (so nothing can be cached).
 
-`python -m bench.engines --stages 3` prints one JSON line `{"pid": ..., "ports": [...]}` once serving, then runs
-until SIGTERM. Its pid is the one the benchmark manifests name, so they pass the sidecar's liveness check.
+`python -m bench.engines --stages 3 [--refresh-observations FOLDER]` prints one JSON line `{"pid": ..., "ports":
+[...]}` once serving, then runs until SIGTERM. Its pid is the one the benchmark manifests name, so they pass the
+sidecar's liveness check; with FOLDER it also rewrites the observations there every interval, as workers do.
 
 The pages are prebuilt and the stand-in reads no more of a request than its first line, so an engine answers in
 well under a millisecond: what the benchmarks time is the sidecar, not the stand-in. (A real vLLM server renders
@@ -16,8 +17,11 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+import time
+from pathlib import Path
 
-from bench.deployment import MAX_NUM_SEQS, stage_page
+from bench.deployment import MAX_NUM_SEQS, refresh_observations, stage_page
+from kv_exporter.plugin.settings import DEFAULT_OBSERVE_INTERVAL_S
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
 from tests.support.engine_process import serve_until_terminated
 
@@ -45,10 +49,25 @@ def stage_engine(stage: int) -> SimulatedEngine:
     return SimulatedEngine({"/metrics": pages.next_page, "/served": pages.served_page})
 
 
+def keep_fresh(folder: Path) -> None:
+    """Every interval, rewrite the observations in `folder` with a new sample time, as the workers' samplers do."""
+
+    def run() -> None:
+        while True:
+            time.sleep(DEFAULT_OBSERVE_INTERVAL_S)
+            refresh_observations(folder)
+
+    threading.Thread(target=run, name="observations", daemon=True).start()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--stages", type=int, default=3)
-    serve_until_terminated([stage_engine(stage) for stage in range(parser.parse_args().stages)])
+    parser.add_argument("--refresh-observations", type=Path, metavar="FOLDER", help="keep these samples fresh")
+    args = parser.parse_args()
+    if args.refresh_observations:
+        keep_fresh(args.refresh_observations)
+    serve_until_terminated([stage_engine(stage) for stage in range(args.stages)])
     return 0
 
 

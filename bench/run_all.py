@@ -1,12 +1,13 @@
 """Every benchmark in turn (`make bench`), then one table: target, measured, PASS or MISS.
 
-    .venv/bin/python -m bench.run_all [--quick] [--only scrape,footprint,...] [--out DIR] [--strict]
+    .venv/bin/python -m bench.run_all [--quick] [--engine] [--only scrape,footprint,...] [--out DIR] [--strict]
 
 from the repository root, as every benchmark module. Each benchmark is a standalone module that prints its method,
 its figures (median, p90, p99, min-max) and the ratio against its baseline measured in the same run; this runner
 streams that output, collects each module's checks (`--json-out`) and prints the summary. A miss is a finding, not
 a failure: the exit status is 0 when every benchmark ran (1 with --strict when a target was missed), 2 when one
-could not run.
+could not run. The decode benchmark starts two real vLLM engines (.venv-vllm) and takes about 6 minutes: it runs
+with --engine, or when --only names it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Bench:
     key: str
     module: str  # bench.MODULE
     quick: tuple[str, ...]  # arguments for --quick (a smoke run: same code paths, fewer samples)
+    engine: bool = False  # starts real vLLM engines: only with --engine, or when --only names it
 
 
 BENCHES = (
@@ -38,6 +40,8 @@ BENCHES = (
     Bench("scaling", "bench_scaling", ("--sizes", "10,100,1000", "--plot", "")),
     Bench("concurrency", "bench_concurrency", ("--seconds", "9")),
     Bench("hook", "bench_hook", ("--repeats", "10")),  # the hook helper's; optional
+    Bench("observe", "bench_observe", ("--repeats", "5", "--creations", "5000")),
+    Bench("decode", "bench_decode", ("--pairs", "4", "--most", "8"), engine=True),
 )
 
 
@@ -119,8 +123,12 @@ def main() -> int:
     parser.add_argument("--only", help="comma-separated: " + ",".join(b.key for b in BENCHES))
     parser.add_argument("--out", type=Path, default=REPO / ".artifacts" / "bench", help="result JSON files")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--engine", action="store_true", help="also the benchmarks that start real vLLM engines")
     args = parser.parse_args()
-    chosen = [b for b in BENCHES if not args.only or b.key in args.only.split(",")]
+    if args.only:
+        chosen = [b for b in BENCHES if b.key in args.only.split(",")]
+    else:
+        chosen = [b for b in BENCHES if args.engine or not b.engine]
     if not (REPO / "bench" / "bench_hook.py").exists():
         chosen = [b for b in chosen if b.key != "hook"]
     args.out.mkdir(parents=True, exist_ok=True)

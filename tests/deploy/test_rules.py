@@ -28,6 +28,7 @@ from tests.deploy.helpers import (
     rule_groups,
     run,
     tool,
+    write_rules_without_annotations,
 )
 
 SEVERITIES = {"critical", "warning", "info"}
@@ -91,11 +92,7 @@ def test_headroom_state_agrees_with_the_shipped_alerts(tmp_path: Path) -> None:
     """What the landing page colours a GPU is what the shipped alerts do with it: promtool evaluates the shipped
     expressions on GPUs at each boundary and expects the alerts `headroom_state` names (annotations left out of the
     copy, since only the expressions are compared)."""
-    rules = yaml.safe_load(RULES.read_text())
-    for group in rules["groups"]:
-        for rule in group["rules"]:
-            rule.pop("annotations", None)
-    (tmp_path / RULES.name).write_text(yaml.safe_dump(rules))
+    rule_file = write_rules_without_annotations(tmp_path)
     series, expected = [], {name: [] for name in STATE_ALERT.values()}
     states = set()
     for gpu, headroom in enumerate(AGREEMENT_HEADROOM):
@@ -121,7 +118,7 @@ def test_headroom_state_agrees_with_the_shipped_alerts(tmp_path: Path) -> None:
     assert states == set(HeadroomState), "the boundaries must reach every state"
     cases = [{"eval_time": "11m", "alertname": name, "exp_alerts": alerts} for name, alerts in expected.items()]
     test = {
-        "rule_files": [RULES.name],
+        "rule_files": [rule_file],
         "evaluation_interval": "1m",
         "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": cases}],
     }

@@ -22,6 +22,9 @@ from tests.support.constants import REPO
 from tests.support.net import free_port
 
 VLLM_VENV = REPO / ".venv-vllm"
+# .venv-vllm installs kv_exporter and the test plugin in editable mode from whichever checkout built it; these put
+# this checkout's copies first, in every process of the server.
+CHECKOUT_PATHS = (REPO, REPO / "tests" / "engine" / "testplugin")
 VLLM_PYTHON = VLLM_VENV / "bin" / "python"
 SERVED_NAME = "kvx-tiny"
 MAX_NUM_SEQS = 8
@@ -126,16 +129,20 @@ def start_server(
     env: dict[str, str] | None = None,
     args: list[str] | None = None,
     manifest_dir: Path | None = None,
+    eager: bool = True,
 ) -> Server:
-    """Start the real OpenAI-compatible server (not yet ready: call wait_ready)."""
+    """Start the real OpenAI-compatible server (not yet ready: call wait_ready). `eager=False` leaves out
+    --enforce-eager: vLLM's CPU path then compiles the model's backbone (dynamo, inductor)."""
     workdir.mkdir(parents=True, exist_ok=True)
     manifests = manifest_dir or workdir / "manifests"
     report_dir = workdir / "report"
     report_dir.mkdir(exist_ok=True)
     port = free_port()
+    python_path = [str(path) for path in CHECKOUT_PATHS] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     full_env = {
         **os.environ,
         **BASE_ENV,
+        "PYTHONPATH": os.pathsep.join(python_path),
         "KV_EXPORTER_DIR": str(manifests),
         "KVX_TEST_REPORT_DIR": str(report_dir),
         **(env or {}),
@@ -144,7 +151,8 @@ def start_server(
         str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", SERVED_NAME,
         "--host", "127.0.0.1", "--port", str(port),
-        "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", str(MAX_NUM_SEQS), "--dtype", "float32",
+        *(["--enforce-eager"] if eager else []),
+        "--max-model-len", "256", "--max-num-seqs", str(MAX_NUM_SEQS), "--dtype", "float32",
         *(args or []),
     ]  # fmt: skip
     log_path = workdir / "server.log"

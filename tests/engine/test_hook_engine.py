@@ -27,10 +27,9 @@ from tests.engine.conftest import ServerFactory
 from tests.engine.server import MAX_NUM_SEQS, SERVED_NAME, Server
 from tests.engine.testplugin.kvx_testplugin import geometry as g
 from tests.openai_server import parent_pid
-from tests.support.constants import REPO
+from tests.support.constants import REPO, UPDATE_FIXTURES_ENV
 
 FIXTURE = REPO / "tests" / "fixtures" / "vllm-0.32-metrics.txt"
-UPDATE_FIXTURES_ENV = "KV_EXPORTER_UPDATE_FIXTURES"
 LOAD_LINE = "kv-exporter [load]"
 WARMUP_LINE = "kv-exporter [warmup]"
 

@@ -48,8 +48,9 @@ def build_tokenizer(directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
-def build_model(directory: Path, *, seed: int = 0) -> Path:
-    """Writes config, safetensors weights and tokenizer into `directory` and returns it."""
+def build_model(directory: Path, *, seed: int = 0, architecture: str = ARCHITECTURE) -> Path:
+    """Writes config, safetensors weights and tokenizer into `directory` and returns it; vLLM serves it with the test
+    plugin's `architecture` (geometry.ARCHITECTURE or geometry.OBSERVED_ARCHITECTURE)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -74,7 +75,7 @@ def build_model(directory: Path, *, seed: int = 0) -> Path:
     # vLLM picks the model class from `architectures`; the test plugin registers this name.
     config_path = directory / "config.json"
     data = json.loads(config_path.read_text())
-    data["architectures"] = [ARCHITECTURE]
+    data["architectures"] = [architecture]
     config_path.write_text(json.dumps(data, indent=2))
     return directory
 

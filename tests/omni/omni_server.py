@@ -36,6 +36,10 @@ MAX_NUM_SEQS = 8
 REPLICAS = 2  # two replicas of the one stage, so the replica index is not trivially 0
 READY_TIMEOUT_S = 600.0  # measured: ~35 s (one replica) to ~70 s (two) on a busy 2-core machine
 REPORT_DIR_ENV = "KVX_OMNI_REPORT_DIR"  # kvx_omni_testplugin.model writes its measured cache bytes there
+# .venv-omni installs kv_exporter and the test plugin in editable mode from whichever checkout built it; these put
+# this checkout's copies first, in every process of the server.
+CHECKOUT_PATHS = (REPO, REPO / "tests" / "omni" / "plugin_pkg")
+OBSERVE_INTERVAL_S = 1.0  # the stage workers sample their caches every second
 
 # Recipe from docs/vllm-omni.md. float32: the bfloat16 default killed the worker on this CPU.
 BASE_ENV = {
@@ -44,6 +48,7 @@ BASE_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_LOGGING_COLOR": "0",
+    "KV_EXPORTER_OBSERVE_INTERVAL": str(OBSERVE_INTERVAL_S),
 }
 
 _LOG_PREFIX = re.compile(r"^\((?P<proc>[^ ]+) pid=(?P<pid>\d+)\) (?P<text>.*)$")
@@ -161,7 +166,14 @@ def start_server(workdir: Path, model_dir: Path, manifest_dir: Path) -> OmniServ
     """Start `vllm-omni serve MODEL --omni` with REPLICAS replicas of its one stage (call wait_ready next)."""
     report_dir = workdir / "cache-reports"
     port = free_port()
-    env = {**os.environ, **BASE_ENV, "KV_EXPORTER_DIR": str(manifest_dir), REPORT_DIR_ENV: str(report_dir)}
+    python_path = [str(path) for path in CHECKOUT_PATHS] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    env = {
+        **os.environ,
+        **BASE_ENV,
+        "PYTHONPATH": os.pathsep.join(python_path),
+        "KV_EXPORTER_DIR": str(manifest_dir),
+        REPORT_DIR_ENV: str(report_dir),
+    }
     command = [
         str(OMNI_CLI), "serve", str(model_dir), "--omni",
         "--host", "127.0.0.1", "--port", str(port),

@@ -15,8 +15,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv_exporter.manifest import Manifest, Phase, read_manifest
+from kv_exporter.observation import ObservationState
 from tests.omni.omni_server import (
     MAX_NUM_SEQS,
+    OBSERVE_INTERVAL_S,
     REPLICAS,
     OmniServer,
     burst,
@@ -26,6 +28,7 @@ from tests.omni.omni_server import (
 )
 from tests.omni.plugin_pkg.kvx_omni_testplugin import tiny_model
 from tests.openai_server import alive, parent_pid
+from tests.support.scrape import parse, pick
 from tests.support.sidecar import Sidecar
 
 pytestmark = pytest.mark.timeout(1200)
@@ -163,6 +166,27 @@ def test_vllm_omni_log_manifest_and_cache_tensors_agree(omni: OmniServer) -> Non
             assert reports[m.process.pid][d.name] == d.peak_bytes(m.max_num_seqs)
 
 
+def test_the_stage_worker_observes_its_caches_and_they_agree_with_the_tensors(omni: OmniServer) -> None:
+    """Each replica's stage worker samples its own live caches (made while the model was built, before the hook
+    knew the model) and attributes them to the declaring module; the bytes are those of its cache tensors."""
+    reports = omni.cache_reports()
+    held = row_bytes(tiny_model.STATIC_CAPACITY) + MAX_NUM_SEQS * row_bytes(tiny_model.WINDOW_POSITIONS)
+    first = manifests_by_replica(omni)
+    time.sleep(3 * OBSERVE_INTERVAL_S)
+    for replica, later in manifests_by_replica(omni).items():
+        earlier = first[replica]
+        for m in (earlier, later):
+            assert m.observation is not None and m.observation.state is ObservationState.OK, m.observation
+            [owner] = m.observation.owners
+            report = reports[m.process.pid]
+            assert (owner.owner, owner.caches) == ("local_kv", 1 + MAX_NUM_SEQS)  # one StaticCache, a window each
+            assert owner.bytes == report["loop_static_cache"] + report["window_cache"] == held
+        # The worker's sampler rewrote its own manifest in the meantime: the same process, a later sample.
+        assert later.process == earlier.process
+        assert earlier.observation is not None and later.observation is not None
+        assert later.observation.taken_at > earlier.observation.taken_at
+
+
 # -- the sidecar -----------------------------------------------------------------------------------------
 
 
@@ -211,6 +235,18 @@ def test_sidecar_reads_both_gauges_and_the_estimate_follows_the_running_count(
             assert reading.static_estimate == static_row
             peak = max(peak, reading.running)
     assert peak >= 2, f"the estimate never followed concurrent requests: {samples}"
+
+
+def test_sidecar_exports_the_stage_workers_observation(omni: OmniServer, sidecar: Sidecar) -> None:
+    held = row_bytes(tiny_model.STATIC_CAPACITY) + MAX_NUM_SEQS * row_bytes(tiny_model.WINDOW_POSITIONS)
+    page = parse(sidecar.text())
+    for replica, m in manifests_by_replica(omni).items():
+        labels = {"model_name": omni.model_name, "stage": str(m.engine.stage), "engine": str(replica)}
+        assert pick(page, "model_local_kv_observation_state", **labels, state="ok") == 1
+        assert pick(page, "model_local_kv_observed_bytes", **labels, owner="local_kv") == held
+        assert pick(page, "model_local_kv_observed_caches", **labels, owner="local_kv") == 1 + MAX_NUM_SEQS
+        # Declared exactly what it holds: at max_num_seqs the ceiling is the allocation, nothing unexplained.
+        assert pick(page, "model_local_kv_unexplained_bytes", **labels, owner="local_kv") == 0
 
 
 def test_stale_high_per_stage_gauge_reads_zero_once_the_pipeline_is_idle(omni: OmniServer, sidecar: Sidecar) -> None:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
+# Set to 1 to rewrite the pages the real-engine tests record into FIXTURES (then review the diff).
+UPDATE_FIXTURES_ENV = "KV_EXPORTER_UPDATE_FIXTURES"
 GIB = 1 << 30
 MIB = 1 << 20
 QWEN_ROW = 4_653_056  # bytes per row of Qwen3-TTS's codec decoder caches (design notes: 4.44 MiB per request)

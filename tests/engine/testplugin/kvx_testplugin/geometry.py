@@ -26,3 +26,16 @@ DECODER_OWNER = "kvx_talker.decoder"
 ENCODER_OWNER = "kvx_talker.encoder"
 TALKER_OWNER = "kvx_talker"
 LATE_OWNER = "kvx_late"
+
+# The second architecture (observed.py): four owners whose real caches live and die with the requests.
+OBSERVED_ARCHITECTURE = "KvxObservedForCausalLM"
+OBSERVED_PARENT = "kvx_observed"
+TRUTHFUL_OWNER = f"{OBSERVED_PARENT}.truthful"  # declares max_num_seqs rows, holds one per running request
+UNDER_OWNER = f"{OBSERVED_PARENT}.under"  # declares FIXED 1, holds one per running request
+UNDECLARED_OWNER = f"{OBSERVED_PARENT}.undeclared"  # declares nothing, holds one per running request
+NEVER_OWNER = f"{OBSERVED_PARENT}.never"  # declares max_num_seqs rows, never allocates
+# Positions each holder's per-request DynamicCache is filled with once, at admission (fp32, the side geometry);
+# distinct, so that no owner's bytes can pass for another's.
+REQUEST_POSITIONS = {TRUTHFUL_OWNER: 16, UNDER_OWNER: 12, UNDECLARED_OWNER: 8}
+NEVER_POSITIONS = 20
+OBSERVED_ITEMSIZE = 4

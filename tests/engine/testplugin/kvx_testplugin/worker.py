@@ -1,14 +1,21 @@
-"""A CPU worker whose runner is a subclass that keeps working after `super().load_model()`.
+"""CPU workers whose runners are subclasses: one keeps working after `super().load_model()`, one tells the observed
+architecture which requests each step runs.
 
-vllm-omni's runners do exactly that (OmniGPUModelRunner.load_model calls super, then sets up more), so the
-hook must publish when the OUTERMOST load_model returns: here the late owner is attached only after the
-inner call, and a manifest written from inside it would miss it. Used with
-`--worker-cls kvx_testplugin.worker.KvxCPUWorker`. Its warm-up likewise runs real forwards ("captures
-buckets") after `super().compile_or_warm_up_model()`.
+vllm-omni's runners keep working after `super().load_model()` (OmniGPUModelRunner.load_model calls super, then sets up
+more), so the hook must publish when the OUTERMOST load_model returns: `KvxCPUModelRunner` attaches the late owner
+only after the inner call, and a manifest written from inside it would miss it. Used with
+`--worker-cls kvx_testplugin.worker.KvxCPUWorker`. Its warm-up likewise runs real forwards ("captures buckets") after
+`super().compile_or_warm_up_model()`.
+
+`--worker-cls kvx_testplugin.worker.KvxRequestsCPUWorker` serves observed.py's architecture: its runner hands each
+step's scheduled and finished request ids to `kvx_observed` before the step runs (a model's forward sees no request
+ids), and changes nothing else.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from vllm.v1.worker import cpu_worker
@@ -16,6 +23,17 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from kvx_testplugin.geometry import CAPTURE_SIZES
 from kvx_testplugin.model import LateOwner, record
+
+
+@contextmanager
+def builds(runner_cls: type[CPUModelRunner]) -> Iterator[None]:
+    """CPUWorker.init_device builds `CPUModelRunner(...)` by its module-level name; swap it for the call only."""
+    original = cpu_worker.CPUModelRunner
+    cpu_worker.CPUModelRunner = runner_cls  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        cpu_worker.CPUModelRunner = original  # type: ignore[misc]
 
 
 class KvxCPUModelRunner(CPUModelRunner):
@@ -27,13 +45,8 @@ class KvxCPUModelRunner(CPUModelRunner):
 
 class KvxCPUWorker(cpu_worker.CPUWorker):
     def init_device(self) -> None:
-        # CPUWorker.init_device builds `CPUModelRunner(...)` by its module-level name; swap it for the call only.
-        original = cpu_worker.CPUModelRunner
-        cpu_worker.CPUModelRunner = KvxCPUModelRunner  # type: ignore[misc]
-        try:
+        with builds(KvxCPUModelRunner):
             super().init_device()
-        finally:
-            cpu_worker.CPUModelRunner = original  # type: ignore[misc]
 
     def compile_or_warm_up_model(self) -> Any:
         # Work after super(): a warm-up manifest written inside the inner call would miss these buckets.
@@ -42,3 +55,18 @@ class KvxCPUWorker(cpu_worker.CPUWorker):
             self.model_runner._dummy_run(size)
         record("worker", captured=list(CAPTURE_SIZES))
         return result
+
+
+class KvxRequestsCPUModelRunner(CPUModelRunner):
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        owners = getattr(self.model, "kvx_observed", None)
+        if owners is not None:
+            finished = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+            owners.schedule(scheduler_output.num_scheduled_tokens, finished)
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
+
+class KvxRequestsCPUWorker(cpu_worker.CPUWorker):
+    def init_device(self) -> None:
+        with builds(KvxRequestsCPUModelRunner):
+            super().init_device()

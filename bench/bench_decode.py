@@ -1,0 +1,285 @@
+"""Engine decode throughput with observation on and off: two real vLLM 0.32 CPU servers, side by side.
+
+    .venv/bin/python -m bench.bench_decode [--pairs N] [--waves N] [--tokens N] [--json-out FILE]
+
+Needs .venv-vllm (`make engine-env`); takes about 6 minutes (two engine start-ups, then the blocks), so
+`bench.run_all` runs it only when asked (`--engine`, or `--only decode`). A missed target is reported, not an error
+(exit status 0); 2 without .venv-vllm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import operator
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.benchlib import Report, cpu_seconds, summarize
+from kv_exporter.manifest import read_manifest
+from kv_exporter.observation import ObservationState
+from tests.engine.server import MAX_NUM_SEQS, VLLM_PYTHON, Server, group_members, start_server
+from tests.engine.testplugin.kvx_testplugin import geometry as g
+from tests.engine.tinymodel import build_model
+from tests.support.scrape import parse, pick
+
+INTERVALS = {"on": "1", "off": "0"}  # KV_EXPORTER_OBSERVE_INTERVAL; 1 s: the engine tests', ten times the default
+ORDERS = (("on", "off"), ("off", "on"))  # the servers' start order in each phase: a server started first runs slower
+SLOWDOWN_BUDGET = 0.01  # at most 1% slower with observation on
+# A pair counts when other processes' load differed by at most this between its two blocks (this machine is shared).
+FOREIGN_DIFFERENCE_CORES = 0.1
+WORKER = "kvx_testplugin.worker.KvxRequestsCPUWorker"
+
+METHOD = f"""
+Two real vLLM 0.32 CPU servers (default multi-process layout: API server, engine core, worker; --enforce-eager,
+fp32, max_num_seqs {MAX_NUM_SEQS}) serve the same tiny Qwen2 with the engine tests' observed architecture: three
+inner modules make a real DynamicCache per request at admission and drop it when the request finishes, so the
+tracker sees caches created and released throughout. One server samples every second
+(KV_EXPORTER_OBSERVE_INTERVAL=1: the cache class patched, caches tracked, the sampler thread walking them), the other
+has observation off (KV_EXPORTER_OBSERVE_INTERVAL=0: nothing patched, no thread). Both run at once; the idle one
+sleeps (vLLM's workers wait on a socket once idle). Blocks alternate in pairs, on, off, off, on, ...: a block is W
+waves of {MAX_NUM_SEQS} concurrent completions of T tokens (ignore_eos, short prompts), decode-bound with
+{MAX_NUM_SEQS} sequences per step. Two phases, each with two fresh servers: the first starts "on" first, the second
+"off" first (two servers both "off" differed by ~10% in a trial, the first started being the slower).
+This machine is shared: during each block, the CPU other processes used (/proc/stat, steal included, less both
+servers' process groups and this client) is measured, and a pair counts only where that load differed by at most
+{FOREIGN_DIFFERENCE_CORES} cores between its two blocks; pairs run until enough count.
+Per block: generated tokens (vLLM's own vllm:generation_tokens_total) / wall time, end to end (HTTP, prefill and
+all); the engine's decode rate per sequence, 1 / its mean inter-token latency (vllm:inter_token_latency_seconds
+sum / count), the claim; CPU time per 1,000 tokens of the worker process (all its threads, the sampler's too) and
+of the server's process group. Ratios are on / off: of the medians, and the median of the pairs' ratios with a 95%
+interval of that median (order statistics). And from inside the "on" worker, the duration of its last sample at the
+end of each block (the manifest's duration_s): the sampler's share of the worker's time, which other processes
+cannot blur.
+"""
+
+
+@dataclass(frozen=True)
+class Counters:
+    tokens: float
+    itl_sum: float
+    itl_count: float
+    worker_cpu_s: float
+    server_cpu_s: float
+
+
+@dataclass(frozen=True)
+class Block:
+    tokens_per_s: float
+    itl_ms: float
+    worker_cpu_ms_per_1k: float
+    server_cpu_ms_per_1k: float
+    sample_ms: float | None  # the worker's last sample when the block ended: its duration (None: observation off)
+    sampled_caches: int
+    foreign_cores: float  # CPU other processes used meanwhile (neither server nor this client), in cores
+
+
+@dataclass(frozen=True)
+class Pair:
+    on: Block
+    off: Block
+
+    @property
+    def comparable(self) -> bool:
+        """Other processes loaded the machine alike during both blocks: their load cancels in the ratio."""
+        return abs(self.on.foreign_cores - self.off.foreign_cores) <= FOREIGN_DIFFERENCE_CORES
+
+
+DECODE_RATE = "decode rate per sequence (1 / inter-token latency)"
+FIGURES: tuple[tuple[str, str, Callable[[Block], float]], ...] = (
+    ("tokens per s, end to end", "tok/s", lambda b: b.tokens_per_s),
+    (DECODE_RATE, "tok/s", lambda b: 1000 / b.itl_ms),
+    ("worker CPU per 1,000 tokens", "ms", lambda b: b.worker_cpu_ms_per_1k),
+    ("server CPU per 1,000 tokens", "ms", lambda b: b.server_cpu_ms_per_1k),
+)
+
+
+class Machine:
+    """CPU time used on the whole machine (/proc/stat, steal included) and by our processes: the rest is others'."""
+
+    def __init__(self, servers: dict[str, Server]) -> None:
+        self._servers = servers
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def foreign_cpu_s(self) -> float:
+        with open("/proc/stat") as stat:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, stat.readline().split()[1:9])
+        busy = (user + nice + system + irq + softirq + steal) / self._tick
+        ours = cpu_seconds(os.getpid()) + sum(
+            cpu_seconds(pid) for server in self._servers.values() for pid in group_members(server.pid)
+        )
+        return busy - ours
+
+
+def worker_pid(server: Server) -> int:
+    [path] = server.manifests()
+    return read_manifest(path).process.pid
+
+
+def counters(server: Server, worker: int) -> Counters:
+    samples = parse(server.metrics_page())
+    return Counters(
+        tokens=pick(samples, "vllm:generation_tokens_total"),
+        itl_sum=pick(samples, "vllm:inter_token_latency_seconds_sum"),
+        itl_count=pick(samples, "vllm:inter_token_latency_seconds_count"),
+        worker_cpu_s=cpu_seconds(worker),
+        server_cpu_s=sum(cpu_seconds(pid) for pid in group_members(server.pid)),
+    )
+
+
+def block(server: Server, machine: Machine, waves: int, tokens: int) -> Block:
+    worker = worker_pid(server)
+    before = counters(server, worker)
+    foreign = machine.foreign_cpu_s()
+    started = time.perf_counter()
+    for _ in range(waves):
+        server.concurrent_completions(MAX_NUM_SEQS, tokens)
+    wall = time.perf_counter() - started
+    foreign = machine.foreign_cpu_s() - foreign
+    after = counters(server, worker)
+    generated = after.tokens - before.tokens
+    assert generated == waves * MAX_NUM_SEQS * tokens, generated
+    [path] = server.manifests()
+    sample = read_manifest(path).observation
+    assert sample is not None
+    on = sample.state is ObservationState.OK
+    return Block(
+        tokens_per_s=generated / wall,
+        itl_ms=(after.itl_sum - before.itl_sum) / (after.itl_count - before.itl_count) * 1000,
+        worker_cpu_ms_per_1k=(after.worker_cpu_s - before.worker_cpu_s) / generated * 1e6,
+        server_cpu_ms_per_1k=(after.server_cpu_s - before.server_cpu_s) / generated * 1e6,
+        sample_ms=sample.duration_s * 1000 if on else None,
+        sampled_caches=sum(owner.caches for owner in sample.owners),
+        foreign_cores=foreign / wall,
+    )
+
+
+def observation(server: Server) -> tuple[ObservationState, float]:
+    """The worker's observation state and when its last sample was taken."""
+    [path] = server.manifests()
+    sample = read_manifest(path).observation
+    assert sample is not None
+    return sample.state, sample.taken_at
+
+
+def alternate(servers: dict[str, Server], comparable: int, most: int, run: Callable[[Server], Block]) -> list[Pair]:
+    """Pairs of blocks in the order on, off, off, on, ... until `comparable` of them are, or `most` were run."""
+    pairs: list[Pair] = []
+    while len(pairs) < most and sum(pair.comparable for pair in pairs) < comparable:
+        order = ("on", "off") if len(pairs) % 2 == 0 else ("off", "on")
+        blocks = {name: run(servers[name]) for name in order}
+        pairs.append(Pair(blocks["on"], blocks["off"]))
+    return pairs
+
+
+@dataclass(frozen=True)
+class Phase:
+    pairs: list[Pair]
+    sampled_s: float  # how long the "on" worker's sampler ran during the blocks
+
+
+def phase(workdir: Path, model: Path, order: tuple[str, str], pairs: tuple[int, int], waves: int, tokens: int) -> Phase:
+    """Both servers started in `order`, warmed up, then pairs of blocks (`alternate`); stopped, pass or fail."""
+    servers: dict[str, Server] = {}
+    try:
+        for name in order:
+            env = {"KV_EXPORTER_OBSERVE_INTERVAL": INTERVALS[name], "KVX_TEST_REPORT_DIR": ""}  # no held record
+            servers[name] = start_server(workdir / name, model, env=env, args=["--worker-cls", WORKER])
+        for server in servers.values():
+            server.wait_ready()
+        machine = Machine(servers)
+        for server in servers.values():
+            block(server, machine, 1, tokens)  # warm-up, not counted
+        first_sample = observation(servers["on"])[1]
+        found = alternate(servers, *pairs, lambda server: block(server, machine, waves, tokens))
+        states = {name: observation(server)[0] for name, server in servers.items()}
+        sampled_s = observation(servers["on"])[1] - first_sample
+    finally:
+        for server in servers.values():
+            server.stop()
+    assert states == {"on": ObservationState.OK, "off": ObservationState.OFF}, states
+    return Phase(found, sampled_s)
+
+
+def measure(report: Report, comparable: int, most: int, waves: int, tokens: int) -> float:
+    """The median of the comparable pairs' decode-rate ratios (on / off)."""
+    pairs: list[Pair] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(Path(tmp) / "model", architecture=g.OBSERVED_ARCHITECTURE)
+        per_phase = (comparable // len(ORDERS), most // len(ORDERS))
+        for index, order in enumerate(ORDERS):
+            done = phase(Path(tmp) / f"phase-{index}", model, order, per_phase, waves, tokens)
+            kept = [pair for pair in done.pairs if pair.comparable]
+            decode = statistics.median(pair.off.itl_ms / pair.on.itl_ms for pair in kept) if kept else math.nan
+            report.note(
+                f"phase {index} (started {' then '.join(order)})",
+                f"{len(done.pairs)} pairs, {len(kept)} comparable, decode rate on / off {decode:.4f}; "
+                f"the sampler ran {done.sampled_s:.0f} s",
+            )
+            pairs.extend(done.pairs)
+    load = summarize([block.foreign_cores for pair in pairs for block in (pair.on, pair.off)])
+    report.stats("other processes' load during a block", load, "cores")
+    kept = [pair for pair in pairs if pair.comparable]
+    claim = 0.0
+    for name, unit, figure in FIGURES:
+        on, off = [figure(p.on) for p in kept], [figure(p.off) for p in kept]
+        report.stats(f"{name}, observation on", summarize(on), unit)
+        report.stats(f"{name}, observation off", summarize(off), unit)
+        ratios = list(map(operator.truediv, on, off))
+        low, high = median_interval(ratios)
+        report.note(f"{name}: on / off, medians", f"{statistics.median(on) / statistics.median(off):.4f}")
+        report.note(f"{name}: on / off, median of pairs", f"{statistics.median(ratios):.4f} ({low:.3f}-{high:.3f})")
+        if name == DECODE_RATE:
+            claim = statistics.median(ratios)
+    every = statistics.median(p.on.tokens_per_s / p.off.tokens_per_s for p in pairs)
+    report.note("tokens per s: on / off, median of every pair (comparable or not)", f"{every:.4f}")
+    samples = [p.on.sample_ms for p in pairs if p.on.sample_ms is not None]
+    report.stats("a sample in the engine's worker (wall)", summarize(samples))
+    report.note("caches in those samples (median)", statistics.median(p.on.sampled_caches for p in pairs))
+    share = statistics.median(samples) / 1000 / float(INTERVALS["on"])
+    report.note("the sampler's share of the worker's time (median sample / interval)", f"{share:.5f}")
+    return claim
+
+
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """A 95% confidence interval of the median: order statistics n/2 -+ 1.96 sqrt(n)/2 (the binomial's normal
+    approximation), so the reader sees what this machine's noise lets the pairs resolve."""
+    ordered, half = sorted(values), 1.96 * math.sqrt(len(values)) / 2
+    low = max(0, math.floor(len(values) / 2 - half))
+    high = min(len(values) - 1, math.ceil(len(values) / 2 + half) - 1)
+    return ordered[low], ordered[high]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=40, help="comparable pairs of blocks to collect, both phases")
+    parser.add_argument("--most", type=int, default=200, help="pairs of blocks to run at most, both phases")
+    parser.add_argument("--waves", type=int, default=1, help=f"waves of {MAX_NUM_SEQS} completions per block")
+    parser.add_argument("--tokens", type=int, default=200, help="tokens per completion (max-model-len is 256)")
+    parser.add_argument("--json-out")
+    args = parser.parse_args()
+    if not VLLM_PYTHON.exists():
+        print("bench_decode: no .venv-vllm (run `make engine-env`)", file=sys.stderr)
+        return 2
+    report = Report("Engine decode throughput, observation on and off (real vLLM CPU servers)", METHOD)
+    report.start()
+    blocks = f"{args.waves} x {MAX_NUM_SEQS} completions x {args.tokens} tokens"
+    report.note("pairs", f"{args.pairs} comparable wanted, {args.most} at most; a block: {blocks}")
+    ratio = measure(report, args.pairs, args.most, args.waves, args.tokens)
+    report.check(
+        f"decode rate with observation on >= {1 - SLOWDOWN_BUDGET:.2f} x off (median of pairs)",
+        f"{ratio:.4f} x",
+        ratio >= 1 - SLOWDOWN_BUDGET,
+    )
+    report.finish(args.json_out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
