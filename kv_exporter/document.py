@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal, TypeVar, Union
 
+from kv_exporter.printable import DETAIL_MAX_CHARS, printable
+
 # Integers in a document must survive any JSON reader exactly.
 MAX_SAFE_INT = 2**53 - 1
 # Strings: a name or label value at most NAME_MAX_CHARS, a `Prose` field at most PROSE_MAX_CHARS. Together with the
@@ -85,13 +87,29 @@ class Doc:
     text: str
 
 
+# Every `DocumentError.reason` this module and the dataclasses' own checks give: metric label values, exported at 0
+# before the first one happens (tests/unit/test_reasons.py finds every reason in the source and checks it is here).
+DOCUMENT_ERROR_REASONS = (
+    "wrong_type",
+    "missing_field",
+    "unknown_field",
+    "out_of_range",
+    "inconsistent",
+    "invalid_value",
+    "unknown_enum",
+    "invalid_string",
+    "too_long",
+)
+
+
 class DocumentError(ValueError):
-    """A document that does not match its description: `reason` is a stable code, `detail` says where and why."""
+    """A document that does not match its description: `reason` is a stable code, `detail` says where and why (what
+    it quotes of the document made printable and short: it reaches pages, logs and terminals)."""
 
     def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
         self.reason = reason
-        self.detail = detail
+        self.detail = printable(detail, DETAIL_MAX_CHARS)
+        super().__init__(f"{reason}: {self.detail}")
 
 
 @dataclass(frozen=True)
@@ -267,7 +285,13 @@ def _number(f: _Field, value: object, where: str) -> float:
 def _text(f: _Field, value: object, where: str) -> str:
     if not isinstance(value, str):
         raise DocumentError("wrong_type", f"{where} must be a string, got {type(value).__name__}")
-    limit = PROSE_MAX_CHARS if f.marker(Prose) else NAME_MAX_CHARS
+    return check_text(value, where, PROSE_MAX_CHARS if f.marker(Prose) else NAME_MAX_CHARS, bool(f.marker(NotBlank)))
+
+
+def check_text(value: str, where: str, limit: int = NAME_MAX_CHARS, not_blank: bool = False) -> str:
+    """`value` if a document may hold it where `where` is: at most `limit` characters, no control character or lone
+    surrogate, and not blank if `not_blank`; else DocumentError. (Also the rule for what an engine page's labels
+    may bring in: only what a manifest could say can match a manifest.)"""
     if len(value) > limit:
         raise DocumentError("too_long", f"{where} has {len(value)} characters; at most {limit}")
     forbidden = _FORBIDDEN_CHARACTERS.search(value)
@@ -276,7 +300,7 @@ def _text(f: _Field, value: object, where: str) -> str:
         raise DocumentError(
             "invalid_string", f"{where} holds {code} at {forbidden.start()}: no control characters or lone surrogates"
         )
-    if f.marker(NotBlank) and not value.strip():
+    if not_blank and not value.strip():
         raise DocumentError("invalid_value", f"{where} must not be blank")
     return value
 

@@ -25,6 +25,44 @@ from kv_exporter.procfs import HOST_PID_NAMESPACE, current_pid_namespace
 SOURCE_NVML = "nvml"
 SOURCE_SIMULATED = "simulated"
 
+# Every reason an NvmlReader can give: `reason_of` each of nvidia-ml-py's NVMLError_* classes, and the binding's
+# absence (metric label values, exported at 0 before the first; tests/unit/test_reasons.py checks the binding).
+# A code this list does not know (a newer driver's) is still counted, from its first occurrence.
+NVML_ERROR_REASONS = (
+    "binding_missing",
+    "already_initialized",
+    "argument_version_mismatch",
+    "corrupted_inforom",
+    "deprecated",
+    "driver_not_loaded",
+    "freq_not_supported",
+    "function_not_found",
+    "gpu_is_lost",
+    "gpu_not_found",
+    "in_use",
+    "insufficient_power",
+    "insufficient_resources",
+    "insufficient_size",
+    "invalid_argument",
+    "invalid_state",
+    "irq_issue",
+    "lib_rm_version_mismatch",
+    "library_not_found",
+    "memory",
+    "no_data",
+    "no_permission",
+    "not_found",
+    "not_ready",
+    "not_supported",
+    "operating_system",
+    "reset_required",
+    "reset_type_not_supported",
+    "timeout",
+    "uninitialized",
+    "unknown",
+    "vgpu_ecc_not_supported",
+)
+
 # Error codes meaning the library or driver as a whole is unusable (as opposed to one device failing).
 _WHOLE_LIBRARY_REASONS = frozenset(
     {"library_not_found", "driver_not_loaded", "uninitialized", "lib_rm_version_mismatch", "binding_missing"}

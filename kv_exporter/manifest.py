@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 
 from kv_exporter import __version__
 from kv_exporter.document import (
+    DOCUMENT_ERROR_REASONS,
     NOT_IN_DOCUMENT,
     Choice,
     Derived,
@@ -43,7 +44,9 @@ from kv_exporter.document import (
     json_schema,
 )
 from kv_exporter.dtypes import ITEMSIZE, dtype_itemsize, dtype_name, dtype_problem
+from kv_exporter.filestat import NotARegularFile, read_regular_file
 from kv_exporter.observation import Observation
+from kv_exporter.printable import printable
 from kv_exporter.procfs import current_pid_namespace, process_start_ticks
 from kv_exporter.protocol import ModelLocalKVScope, RowDriver, kv_row_bytes
 
@@ -83,14 +86,22 @@ class ManifestLimits:
 DEFAULT_LIMITS = ManifestLimits()
 
 
+# The reasons `read_manifest` gives, and those a refused observation gives (metric label values, exported at 0).
+_FILE_REASONS = ("unreadable", "not_regular_file", "too_large", "not_utf8", "invalid_json")
+_MANIFEST_REASONS = ("unsupported_schema_version", "too_many_declarations", "duplicate_declaration")
+READER_ERROR_REASONS = (*DOCUMENT_ERROR_REASONS, *_FILE_REASONS, *_MANIFEST_REASONS)
+OBSERVATION_PROBLEM_REASONS = (*DOCUMENT_ERROR_REASONS, "duplicate_owner")
+
+
 class ManifestError(ValueError):
-    """A manifest that cannot be used. `reason` is a short stable code; `detail` says what exactly."""
+    """A manifest that cannot be used. `reason` is a short stable code; `detail` (short) says what exactly. The
+    message shows the path and the detail printable (a file name need not be UTF-8); `path` stays the path as listed."""
 
     def __init__(self, path: str, reason: str, detail: str) -> None:
-        super().__init__(f"{path}: {reason}: {detail}")
         self.path = path
         self.reason = reason
-        self.detail = detail
+        self.detail = printable(detail)
+        super().__init__(f"{printable(path)}: {reason}: {self.detail}")
 
 
 @dataclass(frozen=True)
@@ -345,11 +356,15 @@ def is_manifest_name(name: str) -> bool:
 
 
 def read_manifest(path: str | os.PathLike[str], limits: ManifestLimits = DEFAULT_LIMITS) -> Manifest:
-    """Read and validate one manifest file; raises `ManifestError` for anything unusable."""
+    """Read and validate one manifest file; raises `ManifestError` for anything unusable, and FileNotFoundError when
+    there is no file (it was removed, as a worker's clean exit removes its own: not a bad manifest, no manifest)."""
     source = os.fspath(path)
     try:
-        with open(source, "rb") as handle:
-            data = handle.read(limits.max_bytes + 1)
+        data = read_regular_file(source, limits.max_bytes + 1)
+    except NotARegularFile as exc:
+        raise ManifestError(source, "not_regular_file", str(exc)) from None
+    except FileNotFoundError:
+        raise
     except OSError as exc:
         raise ManifestError(source, "unreadable", exc.strerror or str(exc)) from exc
     return parse_manifest(data, source, limits)

@@ -98,13 +98,13 @@ main() {
     for arg in "$@"; do
         case "$arg" in
             --env-only) env_only=1 ;;
-            manifest | engine_page) targets+=("$arg") ;;
-            *) echo "usage: $0 [--env-only] [manifest|engine_page ...]" >&2; exit 2 ;;
+            manifest | engine_page | fetch) targets+=("$arg") ;;
+            *) echo "usage: $0 [--env-only] [manifest|engine_page|fetch ...]" >&2; exit 2 ;;
         esac
     done
     ensure_env
     [[ $env_only -eq 1 ]] && return
-    [[ ${#targets[@]} -eq 0 ]] && targets=(manifest engine_page)
+    [[ ${#targets[@]} -eq 0 ]] && targets=(manifest engine_page fetch)
     PYTHONPATH=. "$PY" -m tests.fuzz.seed_corpus "$OUT/corpus" >/dev/null
     local failed=0
     for target in "${targets[@]}"; do

@@ -152,11 +152,13 @@ def _telemetry_path(text: str) -> str:
 
 
 def _limits(serve: argparse.ArgumentParser) -> None:
-    from kv_exporter.sidecar.snapshot import (
+    from kv_exporter.sidecar.budget import (
+        DEFAULT_MAX_LABEL_BYTES,
         DEFAULT_MAX_SERIES,
         SERIES_PER_DECLARATION,
         SERIES_PER_ENGINE,
         SERIES_PER_OWNER,
+        SERIES_PER_PAGE_ENGINE,
     )
 
     serve.add_argument(
@@ -176,8 +178,14 @@ def _limits(serve: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=DEFAULT_MAX_SERIES,
         help=f"cap on the series live manifests add ({SERIES_PER_DECLARATION} a declaration, {SERIES_PER_OWNER} an "
-        f"owner, {SERIES_PER_ENGINE} an engine); the newest manifests past it are left out whole (default "
-        "%(default)s)",
+        f"owner, {SERIES_PER_ENGINE} an engine) and engines only a page shows ({SERIES_PER_PAGE_ENGINE} each); the "
+        "newest manifests past it are left out whole (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-label-bytes",
+        type=_positive_size,
+        default=DEFAULT_MAX_LABEL_BYTES,
+        help="cap on the bytes of label values those series carry, counted with --max-series (default %(default)s)",
     )
 
 
@@ -276,9 +284,11 @@ def _wait_for_signal() -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from kv_exporter.gpu import GpuReader, NvmlReader, SimulatedGpu
     from kv_exporter.manifest import ManifestLimits
+    from kv_exporter.sidecar.allocator import keep_large_blocks_returnable
     from kv_exporter.sidecar.collection import Collection, CollectionSettings
     from kv_exporter.sidecar.http import serve_in_thread, server_url
 
+    keep_large_blocks_returnable()
     reader: GpuReader | None = None
     if args.simulate_gpu:
         reader = SimulatedGpu(total=args.simulate_gpu[0], used=args.simulate_gpu[1])
@@ -292,6 +302,7 @@ def run_serve(args: argparse.Namespace) -> int:
         manifest_limits=ManifestLimits(args.manifest_max_bytes, args.manifest_max_declarations),
         max_series=args.max_series,
         deadline_s=args.collection_timeout,
+        max_label_bytes=args.max_label_bytes,
     )
     collection = Collection(settings, reader)
     try:

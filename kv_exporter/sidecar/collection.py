@@ -23,14 +23,16 @@ from typing import Generic, TypeVar
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from kv_exporter.gpu import GpuReader
+from kv_exporter.gpu import NVML_ERROR_REASONS, SOURCE_NVML, GpuReader
 from kv_exporter.manifest import DEFAULT_LIMITS, ManifestLimits
+from kv_exporter.printable import printable
 from kv_exporter.procfs import current_pid_namespace
+from kv_exporter.sidecar.budget import DEFAULT_MAX_LABEL_BYTES, DEFAULT_MAX_SERIES, SeriesCap
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
 from kv_exporter.sidecar.families import families
 from kv_exporter.sidecar.inputs import EnginePages, ManifestStore, ObservationAccount, assess, read_gpus
 from kv_exporter.sidecar.records import GpuResult
-from kv_exporter.sidecar.snapshot import DEFAULT_MAX_SERIES, Snapshot, build_snapshot
+from kv_exporter.sidecar.snapshot import Snapshot, build_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,7 @@ class CollectionSettings:
     max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES
     manifest_limits: ManifestLimits = DEFAULT_LIMITS
     max_series: int = DEFAULT_MAX_SERIES
+    max_label_bytes: int = DEFAULT_MAX_LABEL_BYTES
     proc: str = "/proc"
     deadline_s: float = DEFAULT_COLLECTION_TIMEOUT_S
 
@@ -139,9 +142,10 @@ class Collection:
         self.store = ManifestStore(settings.manifest_dir, settings.manifest_limits)
         self.pages = EnginePages(settings.targets, settings.fetch_timeout_s, settings.max_page_bytes)
         self.observations = ObservationAccount()
-        self.nvml_errors_total: Counter[str] = Counter()
+        nvml = gpu_reader is not None and gpu_reader.source == SOURCE_NVML
+        self.nvml_errors_total: Counter[str] = Counter(dict.fromkeys(NVML_ERROR_REASONS if nvml else (), 0))
         self._last_nvml_error: str | None = None
-        self._last_dropped: tuple[str, ...] = ()
+        self._last_dropped: tuple[tuple[str, ...], int] = ((), 0)
         self.snapshot = SingleFlight(self._collect, settings.deadline_s)
 
     def _collect(self) -> Snapshot:
@@ -158,7 +162,7 @@ class Collection:
             entries,
             pages,
             gpu,
-            max_series=self.settings.max_series,
+            cap=SeriesCap(self.settings.max_series, self.settings.max_label_bytes),
             manifest_folder=self.settings.manifest_dir,
             manifest_folder_error=self.store.folder_error,
             manifest_errors_total=dict(self.store.errors_total),
@@ -168,21 +172,25 @@ class Collection:
             duration_s=time.perf_counter() - started,
             taken_at=now,
         )
-        self._account_series(snapshot.series_dropped)
+        self._account_series(snapshot)
         return snapshot
 
-    def _account_series(self, dropped: tuple[str, ...]) -> None:
-        """Log when the set of manifests left out by the series cap changes, not on every scrape."""
-        if dropped != self._last_dropped:
-            if dropped:
-                shown = ", ".join(dropped[:3]) + (f" and {len(dropped) - 3} more" if len(dropped) > 3 else "")
-                log.warning(
-                    "series cap (--max-series %d) reached: %d live manifest(s) left out, newest first: %s",
-                    self.settings.max_series, len(dropped), shown,
-                )  # fmt: skip
-            else:
-                log.info("series cap no longer reached: every live manifest is exported")
-            self._last_dropped = dropped
+    def _account_series(self, snapshot: Snapshot) -> None:
+        """Log when what the series cap leaves out changes, not on every scrape."""
+        dropped = (snapshot.series_dropped, snapshot.engines_dropped)
+        if dropped == self._last_dropped:
+            return
+        paths, engines = dropped
+        if paths or engines:
+            shown = ", ".join(map(printable, paths[:3])) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+            log.warning(
+                "series cap reached (--max-series %d, --max-label-bytes %d): %d live manifest(s) left out, the "
+                "newest (%s); %d engine(s) that only a page shows left out",
+                self.settings.max_series, self.settings.max_label_bytes, len(paths), shown or "none", engines,
+            )  # fmt: skip
+        else:
+            log.info("series cap no longer reached: every live manifest and engine is exported")
+        self._last_dropped = dropped
 
     def _account_gpu(self, gpu: GpuResult) -> None:
         errors = ([gpu.error] if gpu.error else []) + list(gpu.device_errors)

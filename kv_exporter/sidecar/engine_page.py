@@ -1,4 +1,4 @@
-"""Running counts from a vLLM / vllm-omni metrics page: a fetch with hard limits, and a narrow line scanner.
+"""Running counts from a vLLM / vllm-omni metrics page: a fetch with hard limits (`fetch`), and a narrow scanner.
 
 Only two metric names matter, so the scanner looks only at lines starting with them and never parses the other
 ~600 lines of a real page (prometheus_client's generic parser costs ~50-70 us a line on these cores):
@@ -7,6 +7,14 @@ Only two metric names matter, so the scanner looks only at lines starting with t
 - vllm-omni: ``vllm:num_requests_running{model_name="M",replica="0",stage="1"}`` (per stage, may lag high)
              ``vllm_omni:num_requests_running{model_name="M"}``                 (whole pipeline)
 
+Those lines are read as Prometheus' own text parser reads them (model/textparse, promlex.l and promparse.go):
+blanks are spaces and tabs, a line ends at LF only (a CR is part of the value), label values take the escapes
+`\\`, `\"` and `\n` (any other is kept as written) and must be UTF-8; a value is what Go's strconv.ParseFloat
+takes without `p`, `P` or `_` (so `1_000`, `0x10`, `1e400` and `+nan` are not numbers); a timestamp is decimal
+digits that fit an int64. An empty label value is no label, as in Prometheus. What Prometheus would refuse is
+`malformed`; what it takes but cannot be a running count (NaN, infinities, negatives) is `bad_value`; a model name no
+manifest could hold (a control character, over 256 characters) is `bad_label`.
+
 Anything wrong with the page becomes an `EnginePageError` with a short reason (a metric label), never another
 exception.
 """
@@ -14,12 +22,15 @@ exception.
 from __future__ import annotations
 
 import base64
-import http.client
 import math
-import time
+import re
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from kv_exporter.document import MAX_SAFE_INT, DocumentError, check_text
+from kv_exporter.printable import DETAIL_MAX_CHARS, printable
+from kv_exporter.sidecar.fetch import FETCH_ERROR_REASONS, FetchError, get
 
 STAGE_METRIC = b"vllm:num_requests_running"
 PIPELINE_METRIC = b"vllm_omni:num_requests_running"
@@ -27,19 +38,23 @@ _PREFIXES = (STAGE_METRIC, PIPELINE_METRIC)
 
 DEFAULT_TIMEOUT_S = 3.0  # well below Prometheus' default 10 s scrape timeout
 DEFAULT_MAX_PAGE_BYTES = 4 << 20  # a real vLLM 0.32 page is ~57 KB; vllm-omni's ~80 KB
-_CHUNK = 64 << 10
+
+# Why a page could not be used: metric label values, exported at 0 per target before the first one.
+SCAN_ERROR_REASONS = ("no_running_series", "malformed", "bad_value", "missing_label", "bad_label", "duplicate_series")
+INTERNAL_ERROR = "internal_error"  # a bug in the reader, reported like a bad page
+PAGE_ERROR_REASONS = (*FETCH_ERROR_REASONS, *SCAN_ERROR_REASONS, INTERNAL_ERROR)
 
 
 class EnginePageError(Exception):
-    """The page could not be used. `reason` is a short stable code."""
+    """The page could not be used. `reason` is a short stable code; `detail` (printable, short) says why."""
 
     def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
         self.reason = reason
-        self.detail = detail
+        self.detail = printable(detail, DETAIL_MAX_CHARS)
+        super().__init__(f"{reason}: {self.detail}")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class EngineKey:
     """One engine as metric labels name it: vLLM's `engine` label is vllm-omni's `replica`."""
 
@@ -74,16 +89,19 @@ class EnginePage:
 
 
 def scan_page(data: bytes) -> EnginePage:
-    """Read the running-count series out of a Prometheus text (or OpenMetrics) page."""
+    """Read the running-count series out of a Prometheus text-format page."""
     running: dict[EngineKey, int] = {}
     pipeline: dict[str, int] = {}
-    for line in _candidate_lines(data):
-        name, rest = _split_name(line)
-        if name not in _PREFIXES:
-            continue  # a sibling whose name merely starts the same way, e.g. `..._total`
-        labels, value = _parse_series(rest, line)
+    for start in _series_starts(data):
+        match = _SERIES.match(data, start)
+        if match is None:
+            raise EnginePageError("malformed", _show(data, start))
+        name, label_text, value_text, stamp = match.groups()
+        line = match.group()
+        labels = _labels(label_text or b"", line)
+        value = _count(value_text, stamp, line)
         if name == PIPELINE_METRIC:
-            _put(pipeline, _label(labels, "model_name"), value, line)
+            _put(pipeline, _model_name(labels), value, line)
         else:
             _put(running, _engine_key(labels), value, line)
     if not running and not pipeline:
@@ -91,26 +109,42 @@ def scan_page(data: bytes) -> EnginePage:
     return EnginePage(running, pipeline)
 
 
-def _candidate_lines(data: bytes) -> Iterator[bytes]:
-    """The lines starting with either name, in page order. Found with `bytes.find` (C speed) rather than by
-    splitting the page: a real page has ~600 lines and 1-4 of interest (docs/benchmarks.md, target 2)."""
-    starts = [0] if data.startswith(_PREFIXES) else []
+# One series line of either metric, from the start of its line (a blank before the name makes it part of the name
+# for Prometheus: an invalid one). A quoted label value may hold a raw newline, as Prometheus lets it. The labels
+# repeat without ambiguity (whitespace after a value belongs to that value's pair): a failing match is linear.
+_SERIES = re.compile(
+    rb"""(vllm:num_requests_running|vllm_omni:num_requests_running)[ \t]*
+    (?:\{[ \t]*((?:[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*"(?:\\[^\n]|[^\\"])*"[ \t]*(?:,[ \t]*)?)*)\})?
+    [ \t]*([^{ \t\n]+)(?:[ \t]+([0-9]+))?[ \t]*(?:\n|\Z)""",
+    re.VERBOSE,
+)
+_LABEL = re.compile(rb'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:\\[^\n]|[^\\"])*)"')
+_ESCAPE = re.compile(rb'\\(["\\n])')
+_UNESCAPED = {b'"': b'"', b"\\": b"\\", b"n": b"\n"}
+# What Go's strconv.ParseFloat reads, less the hexadecimal forms (which need `p`) and the `_` Prometheus refuses.
+_GO_FLOAT = re.compile(rb"[+-]?(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|(?i:inf(?:inity)?))|(?i:nan)")
+_NAME_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_:")
+MAX_TIMESTAMP = (1 << 63) - 1
+
+
+def _series_starts(data: bytes) -> Iterator[int]:
+    """Where the lines of the two metrics start, in page order. Found with `bytes.find` (C speed) rather than by
+    splitting the page: a real page has ~600 lines and 1-4 of interest (docs/benchmarks.md, target 2). A longer name
+    (`..._total`) is another metric; a hit after anything but blanks at the start of a line (a comment, a label
+    value) is not a series line; one after blanks is, and malformed."""
+    starts = []
     for prefix in _PREFIXES:
-        needle = b"\n" + prefix
-        at = data.find(needle)
+        at = data.find(prefix)
         while at != -1:
-            starts.append(at + 1)
-            at = data.find(needle, at + 1)
-    for start in sorted(starts):
-        end = data.find(b"\n", start)
-        yield (data[start:] if end == -1 else data[start:end]).rstrip(b"\r")
-
-
-def _split_name(line: bytes) -> tuple[bytes, bytes]:
-    for i, byte in enumerate(line):
-        if byte in b"{ \t":
-            return line[:i], line[i:]
-    return line, b""
+            end = at + len(prefix)
+            if end == len(data) or data[end] not in _NAME_CHARS:
+                start = at
+                while start and data[start - 1] in b" \t":
+                    start -= 1
+                if start == 0 or data[start - 1] == ord("\n"):
+                    starts.append(start)
+            at = data.find(prefix, end)
+    return iter(sorted(starts))
 
 
 def _put(target: dict[EngineKey, int] | dict[str, int], key: object, value: int, line: bytes) -> None:
@@ -119,87 +153,57 @@ def _put(target: dict[EngineKey, int] | dict[str, int], key: object, value: int,
     target[key] = value  # type: ignore[index]
 
 
-def _show(line: bytes) -> str:
-    return line[:200].decode("utf-8", "replace")
+def _show(data: bytes, start: int = 0) -> str:
+    end = data.find(b"\n", start, start + 200)
+    return data[start : start + 200 if end == -1 else end].decode("utf-8", "backslashreplace")
 
 
-def _parse_series(rest: bytes, line: bytes) -> tuple[dict[str, str], int]:
-    """`{labels} value [timestamp]` (the part after the name) -> (labels, running count)."""
+def _labels(text: bytes, line: bytes) -> dict[str, str]:
     labels: dict[str, str] = {}
-    if rest.startswith(b"{"):
-        labels, rest = _parse_labels(rest[1:], line)
-    return labels, _count(rest, line)
+    for match in _LABEL.finditer(text):
+        name, raw = match.group(1).decode(), match.group(2)
+        try:
+            value = _ESCAPE.sub(lambda m: _UNESCAPED[m.group(1)], raw).decode("utf-8")
+        except UnicodeDecodeError:
+            raise EnginePageError("malformed", f"label value not UTF-8: {_show(line)}") from None
+        if name in labels:
+            raise EnginePageError("malformed", f"label {name} twice: {_show(line)}")
+        labels[name] = value
+    return labels
 
 
-def _parse_labels(rest: bytes, line: bytes) -> tuple[dict[str, str], bytes]:
-    """Parse `a="x",b="y"}` (exposition-format escapes) and return the labels and what follows the brace."""
-    try:
-        text = rest.decode("utf-8")
-    except UnicodeDecodeError:
-        raise EnginePageError("malformed", _show(line)) from None
-    labels: dict[str, str] = {}
-    i = 0
-    while True:
-        while i < len(text) and text[i] in " ,":
-            i += 1
-        if i < len(text) and text[i] == "}":
-            return labels, text[i + 1 :].encode()
-        eq = text.find("=", i)
-        if eq == -1 or eq + 1 >= len(text) or text[eq + 1] != '"':
-            raise EnginePageError("malformed", _show(line))
-        key = text[i:eq].strip()
-        value, i = _quoted(text, eq + 2, line)
-        if not key or key in labels:
-            raise EnginePageError("malformed", _show(line))
-        labels[key] = value
-
-
-_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
-
-
-def _quoted(text: str, start: int, line: bytes) -> tuple[str, int]:
-    out: list[str] = []
-    i = start
-    while i < len(text):
-        char = text[i]
-        if char == '"':
-            return "".join(out), i + 1
-        if char == "\\" and i + 1 < len(text):
-            out.append(_ESCAPES.get(text[i + 1], "\\" + text[i + 1]))
-            i += 2
-            continue
-        out.append(char)
-        i += 1
-    raise EnginePageError("malformed", _show(line))
-
-
-def _count(rest: bytes, line: bytes) -> int:
-    parts = rest.split()
-    if not 1 <= len(parts) <= 2:
+def _count(value_text: bytes, stamp: bytes | None, line: bytes) -> int:
+    if not _GO_FLOAT.fullmatch(value_text) or (stamp is not None and (len(stamp) > 19 or int(stamp) > MAX_TIMESTAMP)):
         raise EnginePageError("malformed", _show(line))
-    try:
-        value = float(parts[0])
-    except ValueError:
-        raise EnginePageError("malformed", _show(line)) from None
+    value = float(value_text)
+    if math.isinf(value) and value_text.lstrip(b"+-")[:1] not in (b"i", b"I"):  # 1e400: Go's range error
+        raise EnginePageError("malformed", f"out of float64 range: {_show(line)}")
     if not math.isfinite(value) or value < 0:
         raise EnginePageError("bad_value", _show(line))
     return int(value)  # gauges of whole requests; a fraction would be a bug upstream, truncated
 
 
-def _label(labels: dict[str, str], name: str) -> str:
-    value = labels.get(name)
-    if value is None:
-        raise EnginePageError("missing_label", f"series without {name}")
-    return value
+def _model_name(labels: dict[str, str]) -> str:
+    value = labels.get("model_name", "")
+    if not value:
+        raise EnginePageError("missing_label", "series without model_name")
+    try:
+        return check_text(value, "model_name", not_blank=True)
+    except DocumentError as exc:  # it could name no manifest's engine
+        raise EnginePageError("bad_label", f"{exc.reason}: {exc.detail}") from None
+
+
+def _index(labels: dict[str, str], *names: str) -> int:
+    """The first of `names` with a value (none: 0), a decimal index a manifest could hold."""
+    value = next((labels[name] for name in names if labels.get(name)), "0")
+    if not (value.isascii() and value.isdigit() and len(value) <= 16 and int(value) <= MAX_SAFE_INT):
+        raise EnginePageError("bad_label", f"{names[0]}={value[:40]!r} is not an index")
+    return int(value)
 
 
 def _engine_key(labels: dict[str, str]) -> EngineKey:
     """vLLM names the data-parallel engine `engine`; vllm-omni names it `replica` and adds `stage`."""
-    index = labels.get("engine", labels.get("replica", "0"))
-    stage = labels.get("stage", "0")
-    if not (index.isdigit() and stage.isdigit()):
-        raise EnginePageError("bad_label", f"engine={index!r} stage={stage!r} are not indices")
-    return EngineKey(_label(labels, "model_name"), int(stage), int(index))
+    return EngineKey(_model_name(labels), _index(labels, "stage"), _index(labels, "engine", "replica"))
 
 
 # -- fetching ---------------------------------------------------------------------------------------------
@@ -236,69 +240,16 @@ def fetch_page(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     max_bytes: int = DEFAULT_MAX_PAGE_BYTES,
 ) -> bytes:
-    """GET the page within `timeout_s` in total (not per read: a trickling server is cut off too)."""
-    deadline = time.monotonic() + timeout_s
-    parts = urllib.parse.urlsplit(target.url)
-    conn: http.client.HTTPConnection
-    if parts.scheme == "https":
-        conn = http.client.HTTPSConnection(parts.netloc, timeout=timeout_s)
-    else:
-        conn = http.client.HTTPConnection(parts.netloc, timeout=timeout_s)
-    try:
-        return _get(conn, target, parts, deadline, max_bytes)
-    except EnginePageError:
-        raise
-    except TimeoutError:
-        raise EnginePageError("timeout", f"no complete answer within {timeout_s:g} s") from None
-    except http.client.IncompleteRead as exc:  # a chunked body cut short
-        raise EnginePageError("truncated", f"connection closed mid-page ({exc!r})"[:200]) from None
-    except (OSError, http.client.HTTPException) as exc:
-        raise EnginePageError("unreachable", f"{type(exc).__name__}: {exc}"[:200]) from None
-    finally:
-        conn.close()
-
-
-def _get(
-    conn: http.client.HTTPConnection,
-    target: EngineTarget,
-    parts: urllib.parse.SplitResult,
-    deadline: float,
-    max_bytes: int,
-) -> bytes:
-    path = parts.path + (f"?{parts.query}" if parts.query else "")
+    """GET the page within `timeout_s` in total (`fetch.get`: one deadline for every step of the exchange)."""
     headers = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "identity"}
     if target.authorization:
         headers["Authorization"] = target.authorization
-    conn.request("GET", path, headers=headers)
-    response = conn.getresponse()
-    if response.status != 200:
-        raise EnginePageError("http_status", f"HTTP {response.status} {response.reason}")
-    declared = response.getheader("Content-Length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise EnginePageError("too_large", f"Content-Length {declared} > limit {max_bytes}")
-    return _read_body(conn, response, deadline, max_bytes)
-
-
-def _read_body(
-    conn: http.client.HTTPConnection, response: http.client.HTTPResponse, deadline: float, max_bytes: int
-) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise EnginePageError("timeout", "page not complete before the deadline")
-        if conn.sock is not None:
-            conn.sock.settimeout(remaining)
-        chunk = response.read1(_CHUNK)
-        if not chunk:
-            if response.length:  # http.client ends a body shorter than its Content-Length without a word
-                raise EnginePageError("truncated", f"connection closed {response.length} bytes before the end")
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > max_bytes:
-            raise EnginePageError("too_large", f"more than {max_bytes} bytes")
-        chunks.append(chunk)
+    try:
+        return get(target.url, headers, timeout_s, max_bytes)
+    except FetchError as exc:
+        failure = exc.reason, exc.detail
+    # Raised outside the handler: the FetchError (its frames hold what was read) is freed here, not kept as context.
+    raise EnginePageError(*failure)
 
 
 def read_engine(

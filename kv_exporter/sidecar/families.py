@@ -242,8 +242,15 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
     )
     dropped = GaugeMetricFamily(
         "model_local_kv_series_limit_dropped_manifests",
-        "Live manifests left out of this page because their series would exceed --max-series (newest first).",
+        "Live manifests left out of this page because their series would exceed --max-series or "
+        "--max-label-bytes (newest first).",
         value=len(snapshot.series_dropped),
+    )
+    engines_dropped = GaugeMetricFamily(
+        "model_local_kv_series_limit_dropped_engines",
+        "Engines that only an engine page shows (no live manifest declares them) left out of this page because "
+        "their series would exceed --max-series or --max-label-bytes.",
+        value=snapshot.engines_dropped,
     )
     duration = GaugeMetricFamily(
         "model_local_kv_scrape_duration_seconds", "Seconds the collection took.", value=snapshot.duration_s
@@ -255,7 +262,8 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
         ("version", "revision", "pythonversion"),
     )
     build.add_metric((info.version, info.revision, info.python_version), 1)
-    return [nvml_up, manifests, manifest_errors, page_errors, nvml_errors, observation_errors, dropped, duration, build]
+    errors = [manifest_errors, page_errors, nvml_errors, observation_errors]
+    return [nvml_up, manifests, *errors, dropped, engines_dropped, duration, build]
 
 
 def _counter(

@@ -18,6 +18,8 @@ from kv_exporter.filestat import FileSignature
 from kv_exporter.gpu import GpuMemory, GpuReader, GpuReadError
 from kv_exporter.manifest import (
     DEFAULT_LIMITS,
+    OBSERVATION_PROBLEM_REASONS,
+    READER_ERROR_REASONS,
     Manifest,
     ManifestError,
     ManifestLimits,
@@ -25,9 +27,12 @@ from kv_exporter.manifest import (
     read_manifest,
 )
 from kv_exporter.observation import ObservationState
+from kv_exporter.printable import printable
 from kv_exporter.sidecar.engine_page import (
     DEFAULT_MAX_PAGE_BYTES,
     DEFAULT_TIMEOUT_S,
+    INTERNAL_ERROR,
+    PAGE_ERROR_REASONS,
     EnginePageError,
     EngineTarget,
     read_engine,
@@ -38,15 +43,26 @@ from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, on
 
 log = logging.getLogger(__name__)
 
+FOLDER_UNREADABLE = "folder_unreadable"
+MANIFEST_ERROR_REASONS = (*READER_ERROR_REASONS, FOLDER_UNREADABLE)
+# Observations refused by the sidecar rather than by the reader: one from a process that is gone, a sample too old.
+DEAD_PROCESS = "dead_process"
+OBSERVATION_ERROR_REASONS = (*OBSERVATION_PROBLEM_REASONS, DEAD_PROCESS, ObservedState.STALE.value)
+
 
 class ManifestStore:
-    """Reads the manifest folder, caching each parse by its file signature; counts each bad version once."""
+    """Reads the manifest folder, caching each parse by its file signature; counts each bad version once.
+
+    Every entry with a manifest's name is read, whatever it is: one that is not a regular file (a FIFO, a device, a
+    socket, a directory) is refused with a reason and counted, never skipped in silence; `read_manifest` opens
+    without blocking, so none can hold a scrape. An entry that is gone by the time it is read is simply gone.
+    """
 
     def __init__(self, directory: str, limits: ManifestLimits = DEFAULT_LIMITS) -> None:
         self.directory = directory
         self.limits = limits
         self._cache: dict[str, tuple[FileSignature, Manifest | ManifestError]] = {}
-        self.errors_total: Counter[str] = Counter()
+        self.errors_total: Counter[str] = Counter(dict.fromkeys(MANIFEST_ERROR_REASONS, 0))
         self.folder_error: str | None = None
 
     def load(self) -> list[tuple[str, Manifest | ManifestError]]:
@@ -54,7 +70,10 @@ class ManifestStore:
         seen: dict[str, tuple[FileSignature, Manifest | ManifestError]] = {}
         for path, signature in self._listing():
             cached = self._cache.get(path)
-            seen[path] = cached if cached and cached[0] == signature else (signature, self._parse(path))
+            if cached and cached[0] == signature:
+                seen[path] = cached
+            elif (parsed := self._parse(path)) is not None:
+                seen[path] = (signature, parsed)
         self._cache = seen
         return [(path, result) for path, (_, result) in sorted(seen.items())]
 
@@ -62,7 +81,7 @@ class ManifestStore:
         try:
             entries = list(os.scandir(self.directory))
         except OSError as exc:
-            self._folder_failed(f"{exc.strerror or exc}")
+            self._folder_failed(printable(f"{exc.strerror or exc}"))
             return
         self._folder_failed(None)
         for entry in entries:
@@ -71,21 +90,26 @@ class ManifestStore:
             try:
                 st = entry.stat()
             except OSError:
-                continue  # removed between listing and stat: it is simply gone
-            if entry.is_file():
-                yield entry.path, filestat.signature(st)
+                try:
+                    st = entry.stat(follow_symlinks=False)  # a link that cannot be followed: reading says why
+                except OSError:
+                    continue  # removed between listing and stat: it is simply gone
+            yield entry.path, filestat.signature(st)
 
     def _folder_failed(self, error: str | None) -> None:
         if error is not None and self.folder_error is None:
-            log.warning("manifest folder %s unreadable: %s", self.directory, error)
-            self.errors_total["folder_unreadable"] += 1
+            log.warning("manifest folder %s unreadable: %s", printable(self.directory), error)
+            self.errors_total[FOLDER_UNREADABLE] += 1
         self.folder_error = error
 
-    def _parse(self, path: str) -> Manifest | ManifestError:
+    def _parse(self, path: str) -> Manifest | ManifestError | None:
+        """The manifest, or why not (counted and logged once per file version: the cache keeps it until the file
+        changes); None when the file is gone."""
         try:
             return read_manifest(path, self.limits)
+        except FileNotFoundError:
+            return None
         except ManifestError as exc:
-            # Once per file version: the cache keeps this result until the file changes.
             log.warning("invalid manifest %s", exc)
             self.errors_total[exc.reason] += 1
             return exc
@@ -96,13 +120,13 @@ class ObservationAccount:
     dead process once per file version, a stale one once per sample."""
 
     def __init__(self) -> None:
-        self.errors_total: Counter[str] = Counter()
+        self.errors_total: Counter[str] = Counter(dict.fromkeys(OBSERVATION_ERROR_REASONS, 0))
         self._counted: set[tuple[str, str, float]] = set()
 
     def account(self, entries: Sequence[ManifestEntry], now: float) -> None:
         refused = {key for key in (_refusal(entry, now) for entry in entries) if key is not None}
         for path, reason, _ in sorted(refused - self._counted):
-            log.warning("observation in %s refused: %s", path, reason)
+            log.warning("observation in %s refused: %s", printable(path), reason)
             self.errors_total[reason] += 1
         self._counted = refused
 
@@ -116,9 +140,9 @@ def _refusal(entry: ManifestEntry, now: float) -> tuple[str, str, float] | None:
     if m.observation is None or m.observation.state is not ObservationState.OK:
         return None
     if not entry.live:
-        return entry.path, "dead_process", m.written_at
+        return entry.path, DEAD_PROCESS, m.written_at
     if worker_state(m, now) is ObservedState.STALE:
-        return entry.path, "stale", m.observation.taken_at
+        return entry.path, ObservedState.STALE.value, m.observation.taken_at
     return None
 
 
@@ -150,7 +174,8 @@ class EnginePages:
         self.max_bytes = max_bytes
         workers = max(1, min(32, len(self.targets)))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="engine-page")
-        self.errors_total: Counter[tuple[str, str]] = Counter()
+        zeros = ((t.target, reason) for t in self.targets for reason in PAGE_ERROR_REASONS)
+        self.errors_total: Counter[tuple[str, str]] = Counter(dict.fromkeys(zeros, 0))
         self._last_reason: dict[str, str | None] = {}
 
     def read_all(self) -> list[PageResult]:
@@ -171,7 +196,7 @@ class EnginePages:
             return PageResult(target.target, None, exc.with_traceback(None), time.perf_counter() - started)
         except Exception as exc:  # a bug must not take the exporter down: report it like a bad page
             log.exception("engine page %s: unexpected error", target.target)
-            error = EnginePageError("internal_error", f"{type(exc).__name__}: {exc}"[:200])
+            error = EnginePageError(INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
             return PageResult(target.target, None, error, time.perf_counter() - started)
 
     def _account(self, result: PageResult) -> None:

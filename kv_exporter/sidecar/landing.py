@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from kv_exporter import __version__
+from kv_exporter.printable import printable
 from kv_exporter.sidecar.observed import EngineObservation, ObservedState, OwnerView
 from kv_exporter.sidecar.records import ManifestEntry
 from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, Snapshot
@@ -288,12 +289,13 @@ def _observed_section(owners: Sequence[OwnerView]) -> str:
 def _manifest_row(entry: ManifestEntry) -> str:
     css = {"live": "ok", "stale": "", "invalid": "bad"}[entry.verdict.state.value]
     why = entry.error.detail if entry.error is not None else entry.verdict.why
-    name = f'<td title="{_e(entry.path)}">{_e(os.path.basename(entry.path))}</td>'
+    path = printable(entry.path)  # a file name need not be UTF-8
+    name = f'<td title="{_e(path)}">{_e(os.path.basename(path))}</td>'
     return name + _cell(entry.verdict.state.value, css) + _cell(why)
 
 
 def _manifest_section(snapshot: Snapshot) -> str:
-    folder = f"<p>Folder <code>{_e(snapshot.manifest_folder)}</code>"
+    folder = f"<p>Folder <code>{_e(printable(snapshot.manifest_folder))}</code>"
     if snapshot.manifest_folder_error:
         folder += f' <span class="bad">unreadable: {_e(snapshot.manifest_folder_error)}</span>'
     folder += "</p>"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kv_exporter.manifest import Declaration, Manifest, ManifestError
+from kv_exporter.printable import printable
 from kv_exporter.procfs import current_pid_namespace
 from kv_exporter.sidecar.inputs import ManifestStore, assess
 from kv_exporter.sidecar.observed import ObservedState, OwnerView, observe, worker_state
@@ -127,7 +128,7 @@ def render_text(entries: Sequence[ManifestEntry], max_num_seqs: int | None, fold
     for entry in invalid:
         out.append(f"invalid: {entry.error}")
     if not entries:
-        out.append(f"no manifests in {folder}")
+        out.append(f"no manifests in {printable(folder)}")
     total_line = f"all {len(valid)} manifest(s): {human_bytes(grand)} ({grand} B)"
     return "\n".join([*out, total_line]) + "\n"
 
@@ -141,7 +142,7 @@ def render_json(entries: Sequence[ManifestEntry], max_num_seqs: int | None, fold
         rows = manifest_rows(m, max_num_seqs)
         manifests.append(
             {
-                "path": entry.path,
+                "path": printable(entry.path),
                 "state": entry.verdict.state.value,
                 "engine": {
                     "model_name": m.engine.model_name,
@@ -171,7 +172,7 @@ def render_json(entries: Sequence[ManifestEntry], max_num_seqs: int | None, fold
         )
     invalid = [_invalid(e.path, e.error) for e in entries if e.error is not None]
     document = {
-        "manifest_dir": folder,
+        "manifest_dir": printable(folder),
         "max_num_seqs": max_num_seqs,
         "manifests": manifests,
         "invalid": invalid,
@@ -199,7 +200,7 @@ def _observed_json(report: ObservedReport) -> dict[str, Any]:
 
 
 def _invalid(path: str, error: ManifestError) -> dict[str, str]:
-    return {"path": path, "reason": error.reason, "detail": error.detail}
+    return {"path": printable(path), "reason": error.reason, "detail": error.detail}
 
 
 def run_report(folder: str, max_num_seqs: int | None, as_json: bool) -> tuple[str, int]:
@@ -207,7 +208,7 @@ def run_report(folder: str, max_num_seqs: int | None, as_json: bool) -> tuple[st
     store = ManifestStore(folder)
     entries = assess(store.load(), current_pid_namespace())
     if store.folder_error is not None:
-        return f"cannot read manifest folder {folder}: {store.folder_error}\n", 2
+        return f"cannot read manifest folder {printable(folder)}: {store.folder_error}\n", 2
     render = render_json if as_json else render_text
     text = render(entries, max_num_seqs, folder, time.time())
     return text, 1 if any(e.manifest is None for e in entries) else 0

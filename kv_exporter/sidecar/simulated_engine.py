@@ -34,12 +34,27 @@ FAULTS = (
     "huge_streamed",  # HUGE_BYTES, close-delimited: only counting tells
     "html",  # a login page where the metrics should be
     "json",
+    # HTTP framing, each a way a server can hold a client that gives every read its own timeout:
+    "trickle_status",  # the status line a byte at a time, never finished
+    "trickle_headers",  # a header line every TRICKLE_S, never the end of them
+    "interim",  # `100 Continue` answers every INTERIM_S, never the real one
+    "interim_flood",  # `100 Continue` answers as fast as they go (Go's client stops after 5)
+    "trickle_chunked",  # a chunked body whose chunk-size line grows a byte at a time (an extension)
+    # HTTP framing Go's client takes, or refuses:
+    "early_hints",  # two `103 Early Hints` answers, then the page
+    "chunked",  # the page in chunks, with a chunk extension and a trailer
+    "bad_chunk",  # a chunk size that is not hexadecimal
+    "two_lengths",  # two Content-Length headers that disagree
 )
 REFUSED = "refused"
-WAITING = frozenset({"slow", "hang", "trickle", "huge", "huge_streamed"})  # answered on a thread of their own
+WAITING = frozenset(  # answered on a thread of their own
+    {"slow", "hang", "trickle", "huge", "huge_streamed", "trickle_status", "trickle_headers", "interim"}
+    | {"trickle_chunked"}
+)
 SLOW_S = 2.0
 HANG_S = 60.0  # past any sidecar timeout; cut short when the fault changes or the engine stops
 TRICKLE_CHUNK, TRICKLE_S = 1000, 0.12  # vLLM's 51 KB page takes ~6 s
+INTERIM_S = 0.3  # 5 interim answers take longer than a 1 s engine timeout
 HUGE_BYTES = 50 << 20
 HTML = b"<!doctype html><html><head><title>Sign in</title></head><body><form>...</form></body></html>\n"
 JSON = b'{"status": "ok", "running": 3}\n'
@@ -143,6 +158,8 @@ class SimulatedEngine:
         page = source() if callable(source) else source
         if fault == "hang":
             released.wait(HANG_S)
+        elif fault in _ENDLESS:
+            _ENDLESS[fault](out, released)
         elif fault == "trickle":
             out.write(_head(200, len(page)))
             for start in range(0, len(page), TRICKLE_CHUNK):
@@ -160,6 +177,36 @@ class SimulatedEngine:
             out.write(_whole_answer(fault, page))
 
 
+def _endless(first: bytes, repeated: bytes, pause_s: float) -> Callable[[BufferedIOBase, threading.Event], None]:
+    """An answer that sends `first`, then `repeated` every `pause_s` until released (the fault changes)."""
+
+    def send(out: BufferedIOBase, released: threading.Event) -> None:
+        out.write(first)
+        out.flush()
+        while not released.wait(pause_s):
+            out.write(repeated)
+            out.flush()
+
+    return send
+
+
+_OK_11 = b"HTTP/1.1 200 OK\r\nContent-Type: " + CONTENT_TYPE.encode() + b"\r\n"
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_ENDLESS = {
+    "trickle_status": _endless(b"H", b"T", TRICKLE_S),
+    "trickle_headers": _endless(_OK_11, b"X-Trickle: 1\r\n", TRICKLE_S),
+    "interim": _endless(_CONTINUE, _CONTINUE, INTERIM_S),
+    "trickle_chunked": _endless(_OK_11 + b"Transfer-Encoding: chunked\r\n\r\n10;x", b"x", TRICKLE_S),
+}
+
+
+def _chunked(page: bytes) -> bytes:
+    """`page` as an HTTP/1.1 chunked body in 4 KiB chunks, each with an extension, and a trailer."""
+    chunks = [page[i : i + 4096] for i in range(0, len(page), 4096)]
+    body = b"".join(b"%x;name=value\r\n%s\r\n" % (len(chunk), chunk) for chunk in chunks)
+    return _OK_11 + b"Transfer-Encoding: chunked\r\n\r\n" + body + b"0\r\nX-Trailer: done\r\n\r\n"
+
+
 def _whole_answer(fault: str, page: bytes) -> bytes:
     """Status line, head and body of a fault that answers in one write."""
     if fault == "status_500":
@@ -172,6 +219,16 @@ def _whole_answer(fault: str, page: bytes) -> bytes:
         return _response(200, HTML, "text/html; charset=utf-8")
     if fault == "json":
         return _response(200, JSON, "application/json")
+    if fault == "interim_flood":
+        return _CONTINUE * 10_000
+    if fault == "early_hints":
+        return b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n" * 2 + _response(200, page)
+    if fault == "chunked":
+        return _chunked(page)
+    if fault == "bad_chunk":
+        return _OK_11 + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n" + page + b"\r\n0\r\n\r\n"
+    if fault == "two_lengths":
+        return _head(200, len(page))[:-2] + b"Content-Length: %d\r\n\r\n" % (len(page) // 2) + page
     return _response(200, page)  # ok, slow
 
 

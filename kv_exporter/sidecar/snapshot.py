@@ -14,9 +14,10 @@ from typing import TypeVar
 
 from kv_exporter.gpu import GpuMemory
 from kv_exporter.manifest import Declaration, Manifest, PodInfo
+from kv_exporter.sidecar.budget import NO_CAP, SeriesCap, limit_series
 from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.liveness import State, Verdict
-from kv_exporter.sidecar.observed import Observed, ObservedState, OwnerView, observe
+from kv_exporter.sidecar.observed import Observed, OwnerView, observe
 from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, engine_key, first_rank, placement
 
 
@@ -94,6 +95,7 @@ class Snapshot:
     observed: Observed = field(default_factory=Observed)
     observation_errors_total: dict[str, int] = field(default_factory=dict)
     series_dropped: tuple[str, ...] = ()  # live manifests left out by the series cap (paths)
+    engines_dropped: int = 0  # engines only a page shows, left out by the series cap
 
     def manifest_counts(self) -> dict[State, int]:
         counts = dict.fromkeys(State, 0)
@@ -152,13 +154,16 @@ def declaration_views(
     )
 
 
-def engine_views(entries: Sequence[ManifestEntry], running: RunningCounts) -> list[EngineView]:
+def engine_views(
+    entries: Sequence[ManifestEntry], running: RunningCounts, page_engines: Iterable[EngineKey] = ()
+) -> list[EngineView]:
+    """The engines of the live manifests in `entries`, and `page_engines`: ones only a page shows."""
     workers: dict[EngineKey, list[Manifest]] = {}
     for entry in entries:
         if entry.manifest is not None and entry.live:
             workers.setdefault(engine_key(entry.manifest), []).append(entry.manifest)
     views = []
-    for key in sorted(set(workers) | set(running)):
+    for key in sorted(set(workers) | set(page_engines)):
         known = running.get(key)
         mine = workers.get(key, [])
         views.append(
@@ -262,52 +267,10 @@ def _placed(groups: dict[_Place, list[P]], device: GpuMemory) -> list[P]:
     return groups.get((device.uuid, None), []) + groups.get(("", device.index), [])
 
 
-# What one live manifest can add to the page: the per-declaration families for each of its declarations, and the
-# per-engine families for its engine. Per-GPU and per-page series are bounded by the hardware and the configuration,
-# not by what a declarer writes, so only these count against the series cap.
-SERIES_PER_DECLARATION = 5
-SERIES_PER_OWNER = 3  # observed bytes, cache objects, unexplained bytes
-SERIES_PER_ENGINE = 4 + len(ObservedState) + 1 + 2  # + observation state, its age, torch's two figures
-# 10,000 declarations' worth: far above a real node (a few engines per GPU, a handful of caches each), and still a
-# page Prometheus takes in one scrape (~13 MB of text, ~1-2 s on two cores).
-DEFAULT_MAX_SERIES = SERIES_PER_DECLARATION * 10_000
-
-
-def manifest_series(manifest: Manifest) -> int:
-    """The most series one live manifest can add to the page."""
-    owners = {d.owner for d in manifest.declarations}
-    owners.update(o.owner for o in (manifest.observation.owners if manifest.observation else ()))
-    return SERIES_PER_DECLARATION * len(manifest.declarations) + SERIES_PER_OWNER * len(owners) + SERIES_PER_ENGINE
-
-
-def _age(entry: ManifestEntry) -> tuple[float, str]:
-    return (entry.manifest.written_at if entry.manifest else 0.0, entry.path)
-
-
-def limit_series(
-    entries: Sequence[ManifestEntry], max_series: int | None
-) -> tuple[list[ManifestEntry], list[ManifestEntry]]:
-    """(kept, dropped) live manifests under the series cap.
-
-    Oldest first (by `written_at`, then path) until the next manifest would take the page past `max_series`; that
-    one and every newer one are dropped whole (part of a manifest would understate its engine without saying so).
-    Oldest first keeps the series Prometheus already has: a runaway declarer or a burst of new engines loses its own
-    series, not everybody else's. The rule depends only on the files, so the same manifests stay out scrape after
-    scrape.
-    """
-    live = sorted((e for e in entries if e.live and e.manifest is not None), key=_age)
-    total = 0
-    for i, entry in enumerate(live):
-        total += manifest_series(entry.manifest) if entry.manifest else 0
-        if max_series is not None and total > max_series:
-            return live[:i], live[i:]
-    return live, []
-
-
 def _mark_dropped(entries: Sequence[ManifestEntry], dropped: Sequence[ManifestEntry]) -> list[ManifestEntry]:
     """The entries, the dropped ones saying so (for the landing page; their state stays live)."""
     paths = {e.path for e in dropped}
-    note = "; left out of the metrics: over --max-series"
+    note = "; left out of the metrics: over --max-series or --max-label-bytes"
     return [
         replace(e, verdict=Verdict(e.verdict.state, e.verdict.why + note)) if e.path in paths else e for e in entries
     ]
@@ -318,7 +281,7 @@ def build_snapshot(
     pages: Sequence[PageResult],
     gpu: GpuResult,
     *,
-    max_series: int | None = None,
+    cap: SeriesCap = NO_CAP,
     manifest_folder: str = "",
     manifest_folder_error: str | None = None,
     manifest_errors_total: dict[str, int] | None = None,
@@ -329,8 +292,9 @@ def build_snapshot(
     taken_at: float = 0.0,
 ) -> Snapshot:
     """Pure: the same inputs give the same snapshot. `taken_at` is also the time observations are judged at."""
-    kept, dropped = limit_series(entries, max_series)
     running = running_counts(pages)
+    limited = limit_series(entries, running, cap)
+    kept, dropped = limited.kept, limited.dropped
     views = declaration_views(kept, running, gpu)
     observed = observe(kept, running, gpu, taken_at)
     # The cap limits series, not truth: left-out manifests still count in their GPU's projected peak.
@@ -339,7 +303,7 @@ def build_snapshot(
     return Snapshot(
         manifests=tuple(_mark_dropped(entries, dropped) if dropped else entries),
         declarations=tuple(views),
-        engines=tuple(engine_views(kept, running)),
+        engines=tuple(engine_views(kept, running, limited.page_engines)),
         pages=tuple(pages),
         gpus=tuple(gpu_views(gpu, entries, [*views, *unexported], [*observed.owners, *unexported_owners])),
         gpu=gpu,
@@ -353,4 +317,5 @@ def build_snapshot(
         observed=observed,
         observation_errors_total=dict(observation_errors_total or {}),
         series_dropped=tuple(sorted(e.path for e in dropped)),
+        engines_dropped=limited.page_engines_dropped,
     )

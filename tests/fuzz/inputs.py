@@ -8,19 +8,23 @@ import copy
 import json
 import random
 import re
+import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
-from kv_exporter.manifest import ManifestError, parse_manifest
+from kv_exporter.manifest import READER_ERROR_REASONS, ManifestError, parse_manifest
 from kv_exporter.reference import REFERENCE_MODELS
-from kv_exporter.sidecar.engine_page import EnginePageError, scan_page
+from kv_exporter.sidecar.engine_page import SCAN_ERROR_REASONS, EnginePageError, scan_page
+from kv_exporter.sidecar.fetch import FETCH_ERROR_REASONS, FetchError, get
 from tests.support.manifests import reference_manifest
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ENGINE_PAGE_FIXTURES = tuple(sorted(FIXTURES.glob("*-metrics.txt")))
 
 # A rejection reason is a metric label value (`model_local_kv_manifest_errors_total{reason}`): it must stay a
-# short code from a fixed vocabulary, never free text (unbounded label cardinality).
+# short code from the fixed vocabulary the counters are exported at 0 for, never free text (unbounded cardinality).
 REASON = re.compile(r"[a-z][a-z0-9_]{0,39}")
 
 # Values that sit on the validators' edges: limits, signs, types, enum spellings, JSON's odd corners.
@@ -210,7 +214,7 @@ def check_manifest(data: bytes) -> bool:
     try:
         manifest = parse_manifest(data, "fuzz-input")
     except ManifestError as exc:
-        if not REASON.fullmatch(exc.reason) or exc.path != "fuzz-input":
+        if not REASON.fullmatch(exc.reason) or exc.reason not in READER_ERROR_REASONS or exc.path != "fuzz-input":
             raise AssertionError(f"bad rejection: reason={exc.reason!r} path={exc.path!r}") from exc
         return False
     again = parse_manifest(manifest.to_json().encode(), "round-trip")
@@ -225,7 +229,7 @@ def check_engine_page(data: bytes) -> bool:
     try:
         page = scan_page(data)
     except EnginePageError as exc:
-        if not REASON.fullmatch(exc.reason):
+        if not REASON.fullmatch(exc.reason) or exc.reason not in SCAN_ERROR_REASONS:
             raise AssertionError(f"bad rejection reason {exc.reason!r}") from exc
         return False
     for key, count in page.running.items():
@@ -237,3 +241,108 @@ def check_engine_page(data: bytes) -> bool:
     if any(not isinstance(count, int) or count < 0 for count in page.pipeline_running.values()):
         raise AssertionError(f"accepted an impossible pipeline count {page.pipeline_running!r}")
     return bool(page.running or page.pipeline_running)
+
+
+# -- HTTP answers (the fetch) ------------------------------------------------------------------------------------
+
+FETCH_TIMEOUT_S = 2.0  # every answer arrives whole at once and the connection closes: far more than enough
+FETCH_MAX_BODY = 1 << 16
+_PAGE = b'vllm:num_requests_running{engine="0",model_name="m"} 3\n'
+
+
+def answer_seeds() -> list[bytes]:
+    """Answers Go's client and `fetch.get` read: with Content-Length, chunked (extension, trailer), after interim
+    1xx answers, close-delimited HTTP/1.0; and a few it refuses."""
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"%x;e=1\r\n%s\r\n0\r\nX-T: 1\r\n\r\n" % (
+        len(_PAGE),
+        _PAGE,
+    )
+    sized = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s" % (len(_PAGE), _PAGE)
+    return [
+        sized,
+        chunked,
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + sized,
+        b"HTTP/1.0 200 OK\r\n\r\n" + _PAGE,
+        b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n",
+        sized.replace(b"Content-Length", b"Content-Length: 1\r\nContent-Length"),
+    ]
+
+
+_ANSWER_TOKENS = (
+    b"\r\n",
+    b"\n",
+    b"HTTP/1.1 100 Continue\r\n\r\n",
+    b"Transfer-Encoding: chunked\r\n",
+    b"Transfer-Encoding: gzip, chunked\r\n",
+    b"Content-Length: 5\r\n",
+    b"Content-Length: -1\r\n",
+    b"Content-Length: 99999999999999999999\r\n",
+    b" continued\r\n",
+    b"0\r\n\r\n",
+    b"ffffffffffffffffff\r\n",
+    b";ext",
+    b"HTTP/9.9 200 OK\r\n",
+    b"HTTP/1.1 2000 OK\r\n",
+)
+
+
+def mutate_answer(data: bytes, rng: random.Random) -> bytes:
+    """Line-aware edits of an HTTP answer: drop, duplicate or rewrite head and framing lines, splice tokens."""
+    if rng.random() < 0.3:
+        return mutate_bytes(data, rng)
+    lines = data.split(b"\r\n")
+    i = rng.randrange(len(lines))
+    action = rng.randrange(3)
+    if action == 0:
+        lines.insert(i, lines[rng.randrange(len(lines))])
+    elif action == 1:
+        del lines[i]
+    else:
+        cut = rng.randint(0, len(lines[i]))
+        lines[i] = lines[i][:cut] + rng.choice(_ANSWER_TOKENS) + lines[i][cut + rng.randint(0, 4) :]
+    return b"\r\n".join(lines)
+
+
+class _AnswerServer:
+    """A loopback listener that answers every connection with `answer`, then closes it."""
+
+    def __init__(self) -> None:
+        self.answer = b""
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}/metrics"
+        threading.Thread(target=self._serve, name="answer-server", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            conn, _ = self._listener.accept()
+            with conn:
+                try:
+                    conn.recv(65536)  # the request (small: one read holds it)
+                    conn.sendall(self.answer)
+                except OSError:
+                    pass  # the client gave up first (a cap reached): as a server may see it
+
+
+_server: _AnswerServer | None = None
+
+
+def check_fetch(data: bytes) -> bytes | None:
+    """Fetch `data` as an engine's whole answer: a refusal must be a FetchError with one of its listed reasons; an
+    acceptance a body within the cap; either within the timeout. Returns the body, or None if refused."""
+    global _server
+    if _server is None:
+        _server = _AnswerServer()
+    _server.answer = data
+    started = time.monotonic()
+    try:
+        body = get(_server.url, {}, FETCH_TIMEOUT_S, FETCH_MAX_BODY)
+    except FetchError as exc:
+        if exc.reason not in FETCH_ERROR_REASONS or exc.reason == "timeout":
+            raise AssertionError(f"bad refusal {exc.reason!r} of a whole answer: {exc}") from exc
+        return None
+    finally:
+        if time.monotonic() - started > FETCH_TIMEOUT_S + 1:
+            raise AssertionError("the fetch overran its deadline")
+    if len(body) > FETCH_MAX_BODY:
+        raise AssertionError(f"a body of {len(body)} bytes passed the cap {FETCH_MAX_BODY}")
+    return body

@@ -1,4 +1,5 @@
-"""Write the fuzzers' seed corpora: `python -m tests.fuzz.seed_corpus DIR` -> DIR/manifest, DIR/engine_page."""
+"""Write the fuzzers' seed corpora: `python -m tests.fuzz.seed_corpus DIR` -> DIR/manifest, DIR/engine_page,
+DIR/fetch."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import hashlib
 import sys
 from pathlib import Path
 
-from tests.fuzz.inputs import engine_page_seeds, manifest_seeds
+from tests.fuzz.inputs import answer_seeds, engine_page_seeds, manifest_seeds
 
-TARGETS = {"manifest": manifest_seeds, "engine_page": engine_page_seeds}
+TARGETS = {"manifest": manifest_seeds, "engine_page": engine_page_seeds, "fetch": answer_seeds}
 
 
 def write_seeds(root: Path) -> dict[str, Path]:

@@ -35,7 +35,7 @@ def executed_units(log: str) -> int:
     return int(found[-1]) if found else 0
 
 
-@pytest.mark.parametrize("target", ["manifest", "engine_page"])
+@pytest.mark.parametrize("target", ["manifest", "engine_page", "fetch"])
 def test_a_short_coverage_guided_run_finds_nothing(target: str, tmp_path: Path) -> None:
     corpus = write_seeds(tmp_path / "corpus")[target]
     result = run_fuzzer(

@@ -1,9 +1,10 @@
-"""Property tests (hypothesis) for the two readers of untrusted input: the manifest reader and the engine-page scanner.
+"""Property tests (hypothesis) for the three readers of untrusted input: the manifest reader, the engine-page scanner
+and the HTTP answer reader (the fetch).
 
-Whatever the input, only the typed rejection (ManifestError / EnginePageError, with a label-safe reason) may
-escape; what is accepted must be right (a valid manifest round-trips; a well-formed page gives back exactly the
-counts it was built from). Bounded to a few seconds for `make test`; `make fuzz` raises KVX_FUZZ_EXAMPLES and
-runs the coverage-guided atheris targets (fuzz_*.py) beside these.
+Whatever the input, only the typed rejection (ManifestError / EnginePageError / FetchError, with a listed reason)
+may escape; what is accepted must be right (a valid manifest round-trips; a well-formed page gives back exactly the
+counts it was built from; a well-formed answer exactly its body). Bounded to a few seconds for `make test`;
+`make fuzz` raises KVX_FUZZ_EXAMPLES and runs the coverage-guided atheris targets (fuzz_*.py) beside these.
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ from kv_exporter.manifest import (
 from kv_exporter.protocol import ModelLocalKVScope, RowDriver
 from kv_exporter.sidecar.engine_page import EngineKey, EnginePageError, scan_page
 from tests.fuzz.inputs import (
+    answer_seeds,
     check_engine_page,
+    check_fetch,
     check_manifest,
     engine_page_seeds,
     manifest_seeds,
+    mutate_answer,
     mutate_bytes,
     mutate_manifest_bytes,
     mutate_page,
@@ -215,7 +219,10 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-_model_names = st.text(st.characters(codec="utf-8"), min_size=1, max_size=30)
+# What a manifest's model_name may hold (kv_exporter.document.check_text): only such names can match one.
+_model_names = st.text(st.characters(codec="utf-8", blacklist_categories=("Cc", "Cs")), min_size=1, max_size=30).filter(
+    str.strip
+)
 
 
 @st.composite
@@ -235,8 +242,7 @@ def pages(draw: st.DrawFn) -> tuple[bytes, dict[EngineKey, int], dict[str, int]]
     lines += [f'vllm_omni:num_requests_running{{model_name="{_escape(m)}"}} {c}.0' for m, c in pipeline.items()]
     lines += draw(st.lists(st.sampled_from(_NOISE), max_size=4))
     order = draw(st.permutations(lines))
-    newline = draw(st.sampled_from(["\n", "\r\n"]))
-    return newline.join(order).encode(), running, pipeline
+    return "\n".join(order).encode(), running, pipeline
 
 
 def _running_line(draw: st.DrawFn, key: EngineKey, count: int, omni: bool) -> str:
@@ -248,10 +254,13 @@ def _running_line(draw: st.DrawFn, key: EngineKey, count: int, omni: bool) -> st
     if draw(st.booleans()):
         labels["extra"] = draw(_model_names)
     items = draw(st.permutations(list(labels.items())))
-    text = ",".join(f'{name}="{_escape(value)}"' for name, value in items)
-    value = draw(st.sampled_from([f"{count}.0", str(count), f"{count}e0"]))
-    stamp = draw(st.sampled_from(["", " 1700000000000"]))
-    return f"vllm:num_requests_running{{{text}}} {value}{stamp}"
+    # Blanks and separators as Prometheus' parser allows them: spaces or tabs (never before the name), commas
+    # optional, one trailing (tests/deploy/test_page_grammar.py asks a real Prometheus).
+    sep, blank = (draw(st.sampled_from(choices)) for choices in ([",", ", ", "\t,", " "], [" ", "\t", " \t"]))
+    text = sep.join(f'{name}{blank}="{_escape(value)}"' for name, value in items) + draw(st.sampled_from(["", ","]))
+    value = draw(st.sampled_from([f"{count}.0", str(count), f"{count}e0", f"+{count}.", f"{count}E+0"]))
+    stamp = draw(st.sampled_from(["", " 1700000000000", "\t0"]))
+    return f"vllm:num_requests_running{blank}{{{text}}}{blank}{value}{stamp}{blank}"
 
 
 _NOISE = (
@@ -277,3 +286,60 @@ def test_a_well_formed_page_gives_back_exactly_its_counts(
         return
     assert page.running == running
     assert page.pipeline_running == pipeline
+
+
+# -- the HTTP answer reader ----------------------------------------------------------------------------------------
+
+ANSWER_SEEDS = answer_seeds()
+
+
+@FUZZ
+@given(st.binary(max_size=2048))
+@example(b"")
+@example(b"HTTP/1.1 100 Continue\r\n\r\n" * 6)
+@example(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1\r\nx\r\n" * 3000)
+def test_arbitrary_answers_never_crash_the_fetch(data: bytes) -> None:
+    check_fetch(data)
+
+
+@FUZZ
+@given(st.sampled_from(ANSWER_SEEDS), st.randoms(use_true_random=False), st.integers(1, 4))
+def test_mutated_answers_never_crash_the_fetch(seed: bytes, rng: random.Random, rounds: int) -> None:
+    data = seed
+    for _ in range(rounds):
+        data = mutate_answer(data, rng)
+    check_fetch(data)
+
+
+@st.composite
+def answers(draw: st.DrawFn) -> tuple[bytes, bytes]:
+    """An answer Go's client reads, and its body: up to 5 interim answers, then the body with a Content-Length, in
+    chunks (extensions, a trailer) or, on HTTP/1.0, ended by the close; header names in any case."""
+    body = draw(st.binary(max_size=3000))
+    interim = b"".join(
+        b"HTTP/1.1 %d Info\r\n%s\r\n"
+        % (draw(st.sampled_from([100, 102, 103])), draw(st.sampled_from([b"", b"L: x\r\n"])))
+        for _ in range(draw(st.integers(0, 5)))
+    )
+    extra = draw(st.sampled_from([b"", b"Server: x\r\n", b"X-Folded: a\r\n b\r\n"]))
+    framing = draw(st.sampled_from(["length", "chunked", "close"]))
+    name = draw(st.sampled_from(["Content-Length", "content-length", "CONTENT-LENGTH"]))
+    if framing == "length":
+        head = b"HTTP/1.1 200 OK\r\n%s%s: %d\r\n\r\n" % (extra, name.encode(), len(body))
+        return interim + head + body, body
+    if framing == "close":
+        return interim + b"HTTP/1.0 200 OK\r\n" + extra + b"\r\n" + body, body
+    cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=6)))
+    pieces = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True) if b > a]
+    ext = draw(st.sampled_from([b"", b";a=b", b" \t"]))
+    chunks = b"".join(b"%x%s\r\n%s\r\n" % (len(p), ext, p) for p in pieces)
+    trailer = draw(st.sampled_from([b"", b"X-Trailer: 1\r\n"]))
+    head = b"HTTP/1.1 200 OK\r\n%sTransfer-Encoding: chunked\r\n\r\n" % extra
+    return interim + head + chunks + b"0\r\n" + trailer + b"\r\n", body
+
+
+@FUZZ
+@given(answers())
+def test_a_well_formed_answer_gives_back_its_body(built: tuple[bytes, bytes]) -> None:
+    data, body = built
+    assert check_fetch(data) == body

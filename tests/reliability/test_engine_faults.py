@@ -31,7 +31,16 @@ FAULTS = {
     "huge_streamed": "too_large",  # 50 MB, close-delimited: only counting tells
     "html": "no_running_series",  # a login page where the metrics should be
     "json": "no_running_series",
+    # HTTP framing: a trickle of any part of the answer costs --engine-timeout, with the same reason every time.
+    "trickle_status": "timeout",
+    "trickle_headers": "timeout",
+    "interim": "timeout",  # a `100 Continue` now and then: today's main waited for ever
+    "trickle_chunked": "timeout",
+    "interim_flood": "bad_response",  # what Go's client refuses is refused
+    "bad_chunk": "bad_response",
+    "two_lengths": "bad_response",
 }
+GO_TAKES = ("early_hints", "chunked")  # framings Go's client (Prometheus') reads: read too
 
 
 def assert_engine_read(s: Samples, manifest: Manifest, url: str) -> None:
@@ -87,3 +96,17 @@ def test_engine_fault_then_recovery(tmp_path: Path, mode: str) -> None:
     log = sc.log()
     assert log.count(f"engine page {engine.url}: {FAULTS[mode]}") == 1, log  # logged when it breaks, not per scrape
     assert log.count(f"engine page {engine.url}: readable again") == 1, log
+
+
+@pytest.mark.parametrize("mode", GO_TAKES)
+def test_a_framing_go_reads_is_read(tmp_path: Path, mode: str) -> None:
+    manifest = live_manifest(max_num_seqs=256)
+    write_manifest(tmp_path / "m", manifest)
+    args = ("--manifest-dir", str(tmp_path / "m"), *SIMULATE_GPU)
+    with (
+        SimulatedEngine(vllm_page_with(RUNNING, MODEL), fault=mode) as engine,
+        sidecar(tmp_path, *args, "--engine-url", engine.url) as sc,
+    ):
+        for _ in range(2):
+            assert_engine_read(sc.samples(), manifest, engine.url)
+        assert sc.stop() == 0

@@ -4,25 +4,36 @@ sidecar process, each is counted when hit, and everything under the cap is still
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 
-from kv_exporter.manifest import Manifest, write_manifest
+from kv_exporter.manifest import DEFAULT_LIMITS, Manifest, PodInfo, write_manifest
 from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
+from kv_exporter.sidecar.budget import (
+    DEFAULT_MAX_LABEL_BYTES,
+    DEFAULT_MAX_SERIES,
+    SERIES_LINE_BYTES,
+    SERIES_PER_PAGE_ENGINE,
+    manifest_cost,
+)
 from kv_exporter.sidecar.cli import build_parser
-from kv_exporter.sidecar.engine_page import scan_page
+from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, scan_page
+from kv_exporter.sidecar.exposition import Exposition
 from kv_exporter.sidecar.families import families
 from kv_exporter.sidecar.liveness import State, Verdict
 from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
-from kv_exporter.sidecar.snapshot import build_snapshot, manifest_series
+from kv_exporter.sidecar.snapshot import build_snapshot
 from tests.support.constants import SIMULATE_GPU
-from tests.support.manifests import MODEL, live_manifest, reference_manifest
+from tests.support.manifests import MODEL, huge_manifest, live_manifest, reference_manifest
 from tests.support.pages import vllm_page_with
-from tests.support.scrape import declared_models, manifest_states, pick
+from tests.support.scrape import declared_models, manifest_states, parse, pick
 from tests.support.sidecar import sidecar
+
+LABEL_VALUE = re.compile(rb'="((?:[^"\\]|\\.)*)"')  # a label value as the page writes it
 
 
 def test_manifest_size_cap(tmp_path: Path) -> None:
@@ -82,7 +93,7 @@ def test_total_series_cap_drops_the_newest_manifests_whole(tmp_path: Path) -> No
     oldest, middle, newest = (engine_named(n, 1_764_480_000.0 + i) for i, n in enumerate(("a-old", "b-mid", "c-new")))
     # Written in another order than their ages: `written_at` decides, not the files' mtimes.
     paths = {m.engine.model_name: write_manifest(folder, m) for m in (newest, middle, oldest)}
-    cap = manifest_series(oldest) + manifest_series(middle) + 1
+    cap = manifest_cost(oldest).series + manifest_cost(middle).series + 1
     with sidecar(tmp_path, "--manifest-dir", str(folder), "--max-series", str(cap), *SIMULATE_GPU) as sc:
         for _ in range(3):
             s = sc.samples()
@@ -91,29 +102,79 @@ def test_total_series_cap_drops_the_newest_manifests_whole(tmp_path: Path) -> No
             assert not any(dict(ls).get("model_name") == "c-new" for _, ls in s)  # no series of it at all
             assert manifest_states(s) == (3, 0, 0)  # left out, but still a live manifest
         status, _, body = sc.get("/")
-        assert status == 200 and b"left out of the metrics: over --max-series" in body
+        assert status == 200 and b"left out of the metrics: over --max-series or --max-label-bytes" in body
         paths["a-old"].unlink()  # room again
         s = sc.samples()
         assert pick(s, "model_local_kv_series_limit_dropped_manifests") == 0
         assert declared_models(s) == {"b-mid", "c-new"}
         assert sc.stop() == 0
     log = sc.log()
-    assert log.count("series cap (--max-series") == 1, log  # once when it starts, not per scrape
+    assert log.count("series cap reached (--max-series") == 1, log  # once when it starts, not per scrape
     assert log.count("series cap no longer reached") == 1, log
 
 
 def test_the_series_accounting_matches_the_families() -> None:
-    """manifest_series counts what one live manifest really adds to the page: its per-declaration, per-owner and
-    per-engine series (per-GPU and per-page ones are bounded by the hardware and the configuration)."""
-    owners = (OwnerObservation(QWEN3_TTS.declarations[0][0], 1, 1), OwnerObservation("vocoder", 1, 1))
+    """manifest_cost counts what one live manifest really adds to the page: its per-declaration, per-owner and
+    per-engine series (per-GPU and per-page ones are bounded by the hardware and the configuration), and the bytes
+    of their label values as the page writes them (escapes included)."""
+    owners = (OwnerObservation(QWEN3_TTS.declarations[0][0], 1, 1), OwnerObservation('vo"c\\oder', 1, 1))
     sample = Observation(ObservationState.OK, "", 10.0, 1_764_480_000.0, 0.0, owners, CudaMemory(1, 1))
-    manifest = dataclasses.replace(reference_manifest(QWEN3_TTS), observation=sample)
+    pod = PodInfo("tts-7d9f8b6c5-x2x8q", "inférence", "vllm")
+    manifest = dataclasses.replace(reference_manifest(QWEN3_TTS), observation=sample, pod=pod)
     entry = ManifestEntry("/m.json", manifest, Verdict(State.LIVE, "test"))
     page = PageResult("http://e/metrics", scan_page(vllm_page_with(3, QWEN3_TTS.model_name)), None, 0.0)
     # With its engine's page read, the manifest's page reaches the bound exactly.
     snapshot = build_snapshot([entry], [page], GpuResult(enabled=False, source=None), taken_at=1_764_480_001.0)
     per_manifest = [f for f in families(snapshot) if {"model_name", "engine"} <= set(getattr(f, "label_names", ()))]
-    assert sum(len(f.samples) for f in per_manifest) == manifest_series(manifest)
+    cost = manifest_cost(manifest)
+    assert sum(len(f.samples) for f in per_manifest) == cost.series
+    text = Exposition().render(per_manifest, "text/plain; version=0.0.4")
+    assert text is not None
+    assert sum(map(len, LABEL_VALUE.findall(text))) == cost.label_bytes
+    for line in text.splitlines():  # and the rest of each line is within its bound
+        if not line.startswith(b"#"):
+            assert len(line) + 1 - sum(map(len, LABEL_VALUE.findall(line))) <= SERIES_LINE_BYTES
+
+
+def test_a_folder_of_files_just_under_the_size_cap_keeps_the_page_small(tmp_path: Path) -> None:
+    """Measured: a page of 6.7 MB. Today's main made one of 27.5 MB from these 12 files (39.9 MB with schema
+    version 2's pod labels): the series cap alone allowed them all."""
+    folder = tmp_path / "m"
+    manifests = [huge_manifest(n) for n in range(12)]
+    for manifest in manifests:
+        size = write_manifest(folder, manifest).stat().st_size
+        assert 0.9 * DEFAULT_LIMITS.max_bytes < size < DEFAULT_LIMITS.max_bytes, size
+    cost = manifest_cost(manifests[0])
+    kept = DEFAULT_MAX_LABEL_BYTES // cost.label_bytes
+    assert 1 <= kept < len(manifests) and kept * cost.series < DEFAULT_MAX_SERIES  # the label budget binds
+    with sidecar(tmp_path, "--manifest-dir", str(folder), *SIMULATE_GPU) as sc:
+        for _ in range(2):
+            status, _, body = sc.get()
+            assert status == 200
+            s = parse(body.decode())
+            assert pick(s, "model_local_kv_series_limit_dropped_manifests") == len(manifests) - kept
+            assert len(declared_models(s)) == kept
+            assert len(body) < DEFAULT_MAX_LABEL_BYTES + SERIES_LINE_BYTES * len(s) + (64 << 10)
+        assert sc.stop() == 0
+    print(f"\n12 manifests just under 1 MiB: a page of {len(body) / 1e6:.1f} MB, {len(s)} series")
+
+
+def test_a_page_of_sixty_thousand_engines_stays_under_the_series_cap(tmp_path: Path) -> None:
+    """Engines only a page shows count against --max-series too. Today's main: 180,000 series from this page."""
+    page = "".join(f'vllm:num_requests_running{{engine="0",model_name="m-{i:05d}"}} 1\n' for i in range(60_000))
+    assert len(page) < DEFAULT_MAX_PAGE_BYTES
+    kept = DEFAULT_MAX_SERIES // SERIES_PER_PAGE_ENGINE
+    with SimulatedEngine(page.encode()) as engine:
+        args = ("--manifest-dir", str(tmp_path / "m"), "--engine-url", engine.url, *SIMULATE_GPU)
+        with sidecar(tmp_path, *args) as sc:
+            for _ in range(2):
+                s = sc.samples()
+                assert pick(s, "model_local_kv_engine_page_up", target=engine.url) == 1
+                assert pick(s, "model_local_kv_series_limit_dropped_engines") == 60_000 - kept
+                engines = {dict(ls)["model_name"] for n, ls in s if n == "model_local_kv_engine_up"}
+                assert engines == {f"m-{i:05d}" for i in range(kept)}  # the first ones in key order
+                assert sum(1 for _, ls in s if "model_name" in dict(ls)) <= DEFAULT_MAX_SERIES
+            assert sc.stop() == 0
 
 
 @pytest.mark.parametrize(
@@ -124,6 +185,7 @@ def test_the_series_accounting_matches_the_families() -> None:
         "--manifest-max-bytes=0",
         "--max-series=x",
         "--web.max-connections=0",
+        "--max-label-bytes=0",
     ],
 )
 def test_a_cap_below_one_is_refused(flag: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kv_exporter.manifest import manifest_filename, write_manifest
 from kv_exporter.reference import MINICPM_O
-from kv_exporter.sidecar.snapshot import DEFAULT_MAX_SERIES, manifest_series
+from kv_exporter.sidecar.budget import DEFAULT_MAX_LABEL_BYTES, DEFAULT_MAX_SERIES, Cost, manifest_cost
 from tests.support.constants import SIMULATE_GPU
 from tests.support.manifests import live_manifest
 from tests.support.scrape import Samples, manifest_states, pick
@@ -37,8 +37,8 @@ def three_scrapes(sc: Sidecar) -> tuple[list[Samples], float, float]:
     return [samples for samples, _ in later], first, seconds[-1]
 
 
-def write_engines(folder: Path, count: int) -> int:
-    """`count` valid manifests of distinct engines (this process, alive); returns the series each one costs."""
+def write_engines(folder: Path, count: int) -> Cost:
+    """`count` valid manifests of distinct engines (this process, alive); returns what each one costs."""
     template = live_manifest(MINICPM_O)
     text = template.to_json()
     quoted = f'"model_name": "{MINICPM_O.model_name}"'
@@ -48,14 +48,14 @@ def write_engines(folder: Path, count: int) -> int:
         name = f"engine-{i:05d}"
         path = folder / manifest_filename(dataclasses.replace(template.engine, model_name=name))
         path.write_text(text.replace(quoted, f'"model_name": "{name}"'))  # no fsync: test data, not the hook
-    return manifest_series(template)
+    return manifest_cost(dataclasses.replace(template, engine=dataclasses.replace(template.engine, model_name=name)))
 
 
 def test_ten_thousand_valid_manifests(tmp_path: Path) -> None:
     folder = tmp_path / "m"
     cost = write_engines(folder, FILES)
-    kept = DEFAULT_MAX_SERIES // cost
-    assert kept < FILES  # the default cap is reached: ~50,000 series, not ~90,000
+    kept = min(DEFAULT_MAX_SERIES // cost.series, DEFAULT_MAX_LABEL_BYTES // cost.label_bytes)
+    assert kept == DEFAULT_MAX_SERIES // cost.series < FILES  # the default cap is reached: ~50,000 series, not ~90,000
     with sidecar(tmp_path, "--manifest-dir", str(folder), *SIMULATE_GPU) as sc:
         scrapes, first, later = three_scrapes(sc)
         for s in scrapes:

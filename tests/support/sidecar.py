@@ -135,6 +135,12 @@ def start_sidecar(
     raise AssertionError(f"sidecar did not start (exit {code}):\n{log_path.read_text(errors='replace')}")
 
 
+def run_command(*args: str, cwd: Path = REPO, timeout_s: float = 60.0) -> subprocess.CompletedProcess[bytes]:
+    """`python -m kv_exporter ARGS` (a command that exits, e.g. `report`) in `cwd`, as the sidecar is started: its
+    exit status and its output as bytes, undecoded (whether it is text is for the test to check)."""
+    return subprocess.run([sys.executable, *ENTRY, *args], cwd=cwd, capture_output=True, timeout=timeout_s, check=False)
+
+
 @contextmanager
 def sidecar(workdir: Path, *args: str, **options: Any) -> Iterator[Sidecar]:
     """`start_sidecar`, stopped by its pid when the block ends (a test may stop it first, to check its exit)."""

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kv_exporter.gpu import GpuMemory
 from kv_exporter.manifest import Manifest, write_manifest
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
+from kv_exporter.sidecar.budget import SeriesCap, manifest_cost
 from kv_exporter.sidecar.collection import (
     Collection,
     CollectionSettings,
@@ -29,7 +30,7 @@ from kv_exporter.sidecar.inputs import ManifestStore, assess
 from kv_exporter.sidecar.liveness import State
 from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
-from kv_exporter.sidecar.snapshot import DeclarationView, Snapshot, build_snapshot, manifest_series, safe_max_num_seqs
+from kv_exporter.sidecar.snapshot import DeclarationView, Snapshot, build_snapshot, safe_max_num_seqs
 from tests.support.constants import GIB, OTHER_NS, QWEN_ROW, UUID0
 from tests.support.exporter import simulated_gpu
 from tests.support.manifests import reference_manifest
@@ -204,14 +205,14 @@ def test_store_parses_each_version_once_and_counts_errors_once(
     for _ in range(3):
         loaded = dict(store.load())
     assert isinstance(loaded[str(good)], Manifest)
-    assert store.errors_total == {"invalid_json": 1}
+    assert +store.errors_total == {"invalid_json": 1}
     assert sum("invalid manifest" in r.message for r in caplog.records) == 1
     first = loaded[str(good)]
     assert dict(store.load())[str(good)] is first  # cached, not re-parsed
     bad.write_text(json.dumps({"schema_version": 99}))
     store.load()
     store.load()
-    assert store.errors_total == {"invalid_json": 1, "unsupported_schema_version": 1}
+    assert +store.errors_total == {"invalid_json": 1, "unsupported_schema_version": 1}
     bad.unlink()
     assert [p for p, _ in store.load()] == [str(good)]
 
@@ -231,7 +232,7 @@ def test_store_missing_folder(tmp_path: Path) -> None:
     assert store.load() == []
     store.load()
     assert store.folder_error is not None
-    assert store.errors_total == {"folder_unreadable": 1}
+    assert +store.errors_total == {"folder_unreadable": 1}
 
 
 # -- single flight ------------------------------------------------------------------------------------------
@@ -322,7 +323,7 @@ def test_every_family_is_documented_and_in_the_contract() -> None:
     docs = (Path(__file__).resolve().parent.parent.parent / "docs").resolve()
     snap = snapshot([reference_manifest(QWEN3_TTS)], [page("Qwen3-TTS", 1)])
     names = {f.name + ("_total" if f.type == "counter" else "") for f in families(snap)}
-    assert len(names) == 34
+    assert len(names) == 35
     for doc in ("metrics.md", "CONTRACTS.md"):
         text = (docs / doc).read_text()
         missing = {n for n in names if f"`{n}" not in text}
@@ -335,7 +336,7 @@ def test_series_cap_leaves_series_out_but_not_the_projection() -> None:
     gpu = GpuResult(True, "simulated", (gpu0(),))
     pages = [page("Qwen3-TTS", 17), page("MiniCPM-o", 0)]
     full = build_snapshot(entries, pages, gpu)
-    capped = build_snapshot(entries, pages, gpu, max_series=manifest_series(manifests[0]))
+    capped = build_snapshot(entries, pages, gpu, cap=SeriesCap(manifest_cost(manifests[0]).series))
     assert len(capped.series_dropped) == 1
     assert len(capped.declarations) < len(full.declarations)
     assert capped.gpus[0].projected_peak == full.gpus[0].projected_peak

@@ -104,9 +104,26 @@ def test_sibling_names_and_comments_are_ignored() -> None:
     page = scan_page(
         b"# HELP vllm:num_requests_running x\n"
         b'vllm:num_requests_running_total{model_name="x",engine="0"} 99\n'
-        b'vllm:num_requests_running{model_name="x",engine="0"} 2\r\n'
+        b'vllm:num_requests_running{model_name="x",engine="0"} 2\n'
     )
     assert page.running == {EngineKey("x", 0, 0): 2}
+
+
+@pytest.mark.parametrize(
+    ("line", "key", "count"),
+    [
+        (b'vllm:num_requests_running\t{ model_name = "m" , engine="2" , } 3', EngineKey("m", 0, 2), 3),
+        (b'vllm:num_requests_running{model_name="m" stage="1"}4', EngineKey("m", 1, 0), 4),  # no comma, no blank
+        (b'vllm:num_requests_running{model_name="m",engine=""} 5.', EngineKey("m", 0, 0), 5),  # "" is no label
+        (b'vllm:num_requests_running{model_name="m\\t"} .5e1 1700000000000', EngineKey("m\\t", 0, 0), 5),
+        (b'vllm:num_requests_running{model_name="m"} -0', EngineKey("m", 0, 0), 0),
+        (b'vllm:num_requests_running{model_name="m\\\\n"} 2.9', EngineKey("m\\n", 0, 0), 2),
+    ],
+)
+def test_what_prometheus_reads_is_read(line: bytes, key: EngineKey, count: int) -> None:
+    """Spellings Prometheus' text parser takes (model/textparse); tests/deploy/test_page_grammar.py asks a real
+    Prometheus about each."""
+    assert scan_page(line + b"\n").running == {key: count}
 
 
 @pytest.mark.parametrize(
@@ -118,6 +135,24 @@ def test_sibling_names_and_comments_are_ignored() -> None:
         (b'vllm:num_requests_running{model_name="x",engine="0" 2\n', "malformed"),
         (b'vllm:num_requests_running{model_name="x} 2\n', "malformed"),
         (b'vllm:num_requests_running{model_name="x"} two\n', "malformed"),
+        (b'vllm:num_requests_running{model_name="x"} 1\r\n', "malformed"),  # CR is part of the value, as for Go
+        (b' \tvllm:num_requests_running{model_name="x"} 1\n', "malformed"),  # Prometheus: part of the name
+        (b'vllm:num_requests_running{model_name="x\ny"} 1\n', "bad_label"),  # Prometheus takes a raw newline
+        (b'vllm:num_requests_running{model_name="x"} 1_000\n', "malformed"),
+        (b'vllm:num_requests_running{model_name="x"} 0x10\n', "malformed"),
+        (b'vllm:num_requests_running{model_name="x"} 1e400\n', "malformed"),  # Go: out of range
+        (b'vllm:num_requests_running{model_name="x"} +nan\n', "malformed"),
+        (b'vllm:num_requests_running{model_name="x"} 1 -5\n', "malformed"),
+        (b'vllm:num_requests_running{model_name="x"} 1 9223372036854775808\n', "malformed"),
+        (b'vllm:num_requests_running{model_name="x",,engine="0"} 1\n', "malformed"),
+        (b'vllm:num_requests_running{model_name="x",engine="\xc2\xb2"} 1\n', "bad_label"),  # a Unicode digit
+        (b'vllm:num_requests_running{model_name="x",engine="' + b"9" * 5000 + b'"} 1\n', "bad_label"),
+        (b'vllm:num_requests_running{model_name="a\x1bb"} 1\n', "bad_label"),  # no manifest can hold it
+        (b'vllm:num_requests_running{model_name="a\\nb"} 1\n', "bad_label"),
+        (b'vllm:num_requests_running{model_name="' + b"x" * 257 + b'"} 1\n', "bad_label"),
+        (b'vllm:num_requests_running{model_name=" "} 1\n', "bad_label"),
+        (b'vllm:num_requests_running{model_name=""} 1\n', "missing_label"),
+        (b'vllm:num_requests_running{model_name="x"} Infinity\n', "bad_value"),
         (b'vllm:num_requests_running{model_name="x"}\n', "malformed"),
         (b'vllm:num_requests_running{model_name="\xff"} 1\n', "malformed"),
         (b'vllm:num_requests_running{model_name="x"} NaN\n', "bad_value"),

@@ -245,11 +245,33 @@ def test_limits_are_enforced() -> None:
     assert too_many.value.reason == "too_many_declarations"
 
 
-def test_unreadable_file_names_the_file(tmp_path: Path) -> None:
-    with pytest.raises(ManifestError) as caught:
+def test_what_is_not_a_readable_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):  # nothing there: no manifest, not a bad one
         read_manifest(tmp_path / "absent.json")
-    assert caught.value.reason == "unreadable"
-    assert str(tmp_path / "absent.json") in str(caught.value)
+    (tmp_path / "link.json").symlink_to(tmp_path / "absent.json")
+    os.mkfifo(tmp_path / "fifo.json")  # opened without blocking, though no writer ever comes
+    (tmp_path / "dir.json").mkdir()
+    expected = {
+        "link.json": ("not_regular_file", "a symbolic link to nothing"),
+        "fifo.json": ("not_regular_file", "a FIFO, not a regular file"),
+        "dir.json": ("not_regular_file", "a directory, not a regular file"),
+    }
+    for name, (reason, detail) in expected.items():
+        with pytest.raises(ManifestError) as caught:
+            read_manifest(tmp_path / name)
+        assert (caught.value.reason, caught.value.detail) == (reason, detail)
+        assert str(caught.value) == f"{tmp_path / name}: {reason}: {detail}"
+
+
+def test_a_file_name_that_is_not_utf8_is_shown_escaped(tmp_path: Path) -> None:
+    path = os.path.join(os.fsencode(tmp_path), b"bad\xff\x1b.json")
+    Path(os.fsdecode(path)).write_bytes(b"{")
+    (listed,) = os.scandir(tmp_path)  # as the sidecar lists it: the byte 0xff as a lone surrogate
+    with pytest.raises(ManifestError) as caught:
+        read_manifest(listed.path)
+    assert caught.value.path == listed.path  # still the path that opens the file
+    assert str(caught.value).startswith(f"{tmp_path}/bad\\xff\\x1b.json: invalid_json: ")
+    str(caught.value).encode("utf-8")  # no lone surrogate left
 
 
 def test_strings_at_their_limits_and_rare_characters_are_accepted() -> None:

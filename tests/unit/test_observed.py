@@ -169,8 +169,8 @@ def test_refused_observations_are_counted_once_each(tmp_path: Path) -> None:
     for _ in range(3):  # three scrapes of the same files
         entries = assess(store.load(), OTHER_NS)
         account.account(entries, NOW)
-    assert account.errors_total == {"out_of_range": 1}
+    assert +account.errors_total == {"out_of_range": 1}
     stale = NOW + STALE_AFTER_INTERVALS * 10.0 + STALE_GRACE_S + 1
     for _ in range(2):
         account.account(assess(store.load(), OTHER_NS), stale)
-    assert account.errors_total == {"out_of_range": 1, "stale": 1}  # once per sample, not per scrape
+    assert +account.errors_total == {"out_of_range": 1, "stale": 1}  # once per sample, not per scrape

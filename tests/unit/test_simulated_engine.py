@@ -25,6 +25,16 @@ REASONS = {
     "huge_streamed": "too_large",
     "html": "no_running_series",
     "json": "no_running_series",
+    # HTTP framing: a trickle of any part costs the timeout; what Go's client refuses is refused, what it takes read.
+    "trickle_status": "timeout",
+    "trickle_headers": "timeout",
+    "interim": "timeout",
+    "interim_flood": "bad_response",  # Go's client stops after 5 interim answers
+    "trickle_chunked": "timeout",
+    "early_hints": None,
+    "chunked": None,
+    "bad_chunk": "bad_response",
+    "two_lengths": "bad_response",
 }
 
 

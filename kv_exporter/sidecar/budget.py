@@ -1,0 +1,154 @@
+"""The series cap: how much of a page what others write may fill, in series and in label text (pure, no I/O).
+
+What a declarer writes decides how many series a live manifest adds and how long their label values are; what an
+engine page lists decides which engines appear that no manifest declares. Per-GPU and per-page series are bounded by
+the devices and the configuration, so only these two count. Each counts twice: its series against `--max-series`,
+and the bytes of their label values (as the page spells them: escaped, UTF-8) against `--max-label-bytes`. With
+strings at their limits (256 characters a name, 1,024 a prose field) the series cap alone would allow ~10,000
+declarations of ~13 KB of text each; the label budget keeps the page to the size a real one reaches at the series
+cap (docs/metrics.md, "Limits").
+
+Manifests come first, oldest first (by `written_at`, then path): the first one that does not fit and every newer
+one are left out whole (part of a manifest would understate its engine without saying so), so the series Prometheus
+already has stay and a runaway declarer or a burst of new engines loses its own. Engines only a page brings in
+(running, but declaring nothing here) then fill what is left, in key order, on the same rule. The rule depends only
+on the files and the pages, so the same ones stay out scrape after scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from kv_exporter.manifest import Manifest, PodInfo
+from kv_exporter.sidecar.engine_page import EngineKey
+from kv_exporter.sidecar.observed import ObservedState
+from kv_exporter.sidecar.records import ManifestEntry, engine_key
+
+# The per-declaration families (bytes per row, ceiling, estimate, positions, info), the per-owner ones (observed
+# bytes, cache objects, unexplained bytes), and the per-engine ones: running, max_num_seqs, up, manifests, one
+# observation state per state, its age, torch's two figures.
+SERIES_PER_DECLARATION = 5
+SERIES_PER_OWNER = 3
+_ENGINE_SERIES = 4 + 1  # the four engine gauges and the observation age: labelled by engine and pod
+_ENGINE_GPU_SERIES = 2  # torch's figures: by engine, GPU and pod
+SERIES_PER_ENGINE = _ENGINE_SERIES + len(ObservedState) + _ENGINE_GPU_SERIES
+# An engine only a page shows has no manifest: running, up and manifests (= 0), no max_num_seqs nor observation.
+SERIES_PER_PAGE_ENGINE = 3
+# 10,000 declarations' worth: far above a real node (a few engines per GPU, a handful of caches each), and still a
+# page Prometheus takes in one scrape (~13 MB of text, ~1-2 s on two cores).
+DEFAULT_MAX_SERIES = SERIES_PER_DECLARATION * 10_000
+# What those series' label values take with real names (~150 bytes a series: a model id, a module path, a pod name).
+DEFAULT_MAX_LABEL_BYTES = 8 << 20
+# The most a series line takes besides its label values: the longest name, every label name, the syntax, a value.
+# So these series take at most max_label_bytes + SERIES_LINE_BYTES * max_series of the page (~21 MB by default).
+SERIES_LINE_BYTES = 256
+_STATE_BYTES = sum(len(state.value) for state in ObservedState)
+
+
+@dataclass(frozen=True)
+class SeriesCap:
+    max_series: int | None = None
+    max_label_bytes: int | None = None
+
+
+NO_CAP = SeriesCap()
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one manifest (or page-only engine) can add to the page at most."""
+
+    series: int
+    label_bytes: int
+
+
+def label_size(value: str) -> int:
+    """The bytes of a label value on the page: UTF-8, with the exposition's escapes."""
+    return len(value.encode()) + value.count("\\") + value.count('"') + value.count("\n")
+
+
+def _pod_size(pod: PodInfo) -> int:
+    return sum(label_size(part or "") for part in (pod.name, pod.namespace, pod.container))
+
+
+def _engine_size(key: EngineKey, pod: PodInfo) -> int:
+    return label_size(key.model_name) + len(str(key.stage)) + len(str(key.engine)) + _pod_size(pod)
+
+
+def manifest_cost(manifest: Manifest) -> Cost:
+    """The most series one live manifest can add to the page, and the bytes of their label values."""
+    owners = {d.owner for d in manifest.declarations}
+    owners.update(o.owner for o in (manifest.observation.owners if manifest.observation else ()))
+    engine = _engine_size(engine_key(manifest), manifest.pod)
+    index = manifest.device.index
+    where = engine + (0 if index is None else len(str(index))) + label_size(manifest.device.uuid or "")
+    declarations = sum(
+        SERIES_PER_DECLARATION
+        * (where + label_size(d.owner) + label_size(d.name) + len(d.scope.value) + len(d.rows.value))
+        + label_size(d.dtype)
+        + label_size(d.capacity_source)
+        + len(str(d.rows_fixed))
+        + label_size(d.rows_reason)
+        + label_size(d.allocation_note or "")
+        for d in manifest.declarations
+    )
+    per_owner = sum(SERIES_PER_OWNER * (where + label_size(owner)) for owner in owners)
+    per_engine = (_ENGINE_SERIES + len(ObservedState)) * engine + _STATE_BYTES + _ENGINE_GPU_SERIES * where
+    series = SERIES_PER_DECLARATION * len(manifest.declarations) + SERIES_PER_OWNER * len(owners) + SERIES_PER_ENGINE
+    return Cost(series, declarations + per_owner + per_engine)
+
+
+def page_engine_cost(key: EngineKey) -> Cost:
+    return Cost(SERIES_PER_PAGE_ENGINE, SERIES_PER_PAGE_ENGINE * _engine_size(key, PodInfo()))
+
+
+@dataclass(frozen=True)
+class Limited:
+    """What goes on the page under the cap, and what is left out."""
+
+    kept: list[ManifestEntry]  # live manifests
+    dropped: list[ManifestEntry]
+    page_engines: frozenset[EngineKey]  # engines only a page shows, kept
+    page_engines_dropped: int
+
+
+class _Budget:
+    def __init__(self, cap: SeriesCap) -> None:
+        self.cap = cap
+        self.series = 0
+        self.label_bytes = 0
+
+    def take(self, cost: Cost) -> bool:
+        series, label_bytes = self.series + cost.series, self.label_bytes + cost.label_bytes
+        if (self.cap.max_series is not None and series > self.cap.max_series) or (
+            self.cap.max_label_bytes is not None and label_bytes > self.cap.max_label_bytes
+        ):
+            return False
+        self.series, self.label_bytes = series, label_bytes
+        return True
+
+
+def _age(entry: ManifestEntry) -> tuple[float, str]:
+    return (entry.manifest.written_at if entry.manifest else 0.0, entry.path)
+
+
+def _prefix(budget: _Budget, items: Sequence[object], costs: Iterable[Cost]) -> int:
+    """How many of `items` fit, from the first, until one does not."""
+    for i, cost in enumerate(costs):
+        if not budget.take(cost):
+            return i
+    return len(items)
+
+
+def limit_series(entries: Sequence[ManifestEntry], page_keys: Collection[EngineKey], cap: SeriesCap) -> Limited:
+    """The live manifests, then the engines among `page_keys` that no live manifest declares, under `cap`."""
+    budget = _Budget(cap)
+    live = sorted((e for e in entries if e.live and e.manifest is not None), key=_age)
+    fit = _prefix(budget, live, (manifest_cost(e.manifest) for e in live if e.manifest))
+    kept, dropped = live[:fit], live[fit:]
+    # An engine whose manifests were left out is left out with them, not shown as one that declares nothing.
+    declared = {engine_key(e.manifest) for e in live if e.manifest}
+    only_paged = sorted(set(page_keys) - declared)
+    shown = _prefix(budget, only_paged, map(page_engine_cost, only_paged))
+    return Limited(kept, dropped, frozenset(only_paged[:shown]), len(only_paged) - shown)
