@@ -30,6 +30,8 @@ from tests.engine.tinymodel import build_model
 from tests.support.scrape import parse, pick
 
 INTERVALS = {"on": "1", "off": "0"}  # KV_EXPORTER_OBSERVE_INTERVAL; 1 s: the engine tests', ten times the default
+# --control: both servers with observation off, so the ratio shows what two identical servers differ by here.
+CONTROL_INTERVALS = {"on": "0", "off": "0"}
 ORDERS = (("on", "off"), ("off", "on"))  # the servers' start order in each phase: a server started first runs slower
 SLOWDOWN_BUDGET = 0.01  # at most 1% slower with observation on
 # A pair counts when other processes' load differed by at most this between its two blocks (this machine is shared).
@@ -184,12 +186,20 @@ class Phase:
     sampled_s: float  # how long the "on" worker's sampler ran during the blocks
 
 
-def phase(workdir: Path, model: Path, order: tuple[str, str], pairs: tuple[int, int], waves: int, tokens: int) -> Phase:
+def phase(
+    workdir: Path,
+    model: Path,
+    order: tuple[str, str],
+    pairs: tuple[int, int],
+    block_size: tuple[int, int],
+    intervals: dict[str, str],
+) -> Phase:
     """Both servers started in `order`, warmed up, then pairs of blocks (`alternate`); stopped, pass or fail."""
+    waves, tokens = block_size
     servers: dict[str, Server] = {}
     try:
         for name in order:
-            env = {"KV_EXPORTER_OBSERVE_INTERVAL": INTERVALS[name], "KVX_TEST_REPORT_DIR": ""}  # no held record
+            env = {"KV_EXPORTER_OBSERVE_INTERVAL": intervals[name], "KVX_TEST_REPORT_DIR": ""}  # no held record
             servers[name] = start_server(workdir / name, model, env=env, args=["--worker-cls", WORKER])
         for server in servers.values():
             server.wait_ready()
@@ -203,18 +213,21 @@ def phase(workdir: Path, model: Path, order: tuple[str, str], pairs: tuple[int, 
     finally:
         for server in servers.values():
             server.stop()
-    assert states == {"on": ObservationState.OK, "off": ObservationState.OFF}, states
+    expected = {name: ObservationState.OFF if s == "0" else ObservationState.OK for name, s in intervals.items()}
+    assert states == expected, states
     return Phase(found, sampled_s)
 
 
-def measure(report: Report, comparable: int, most: int, waves: int, tokens: int) -> float:
+def measure(
+    report: Report, comparable: int, most: int, block_size: tuple[int, int], intervals: dict[str, str]
+) -> float:
     """The median of the comparable pairs' decode-rate ratios (on / off)."""
     pairs: list[Pair] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "model", architecture=g.OBSERVED_ARCHITECTURE)
         per_phase = (comparable // len(ORDERS), most // len(ORDERS))
         for index, order in enumerate(ORDERS):
-            done = phase(Path(tmp) / f"phase-{index}", model, order, per_phase, waves, tokens)
+            done = phase(Path(tmp) / f"phase-{index}", model, order, per_phase, block_size, intervals)
             kept = [pair for pair in done.pairs if pair.comparable]
             decode = statistics.median(pair.off.itl_ms / pair.on.itl_ms for pair in kept) if kept else math.nan
             report.note(
@@ -240,9 +253,11 @@ def measure(report: Report, comparable: int, most: int, waves: int, tokens: int)
     every = statistics.median(p.on.tokens_per_s / p.off.tokens_per_s for p in pairs)
     report.note("tokens per s: on / off, median of every pair (comparable or not)", f"{every:.4f}")
     samples = [p.on.sample_ms for p in pairs if p.on.sample_ms is not None]
+    if not samples:  # the control: nothing sampled
+        return claim
     report.stats("a sample in the engine's worker (wall)", summarize(samples))
     report.note("caches in those samples (median)", statistics.median(p.on.sampled_caches for p in pairs))
-    share = statistics.median(samples) / 1000 / float(INTERVALS["on"])
+    share = statistics.median(samples) / 1000 / float(intervals["on"])
     report.note("the sampler's share of the worker's time (median sample / interval)", f"{share:.5f}")
     return claim
 
@@ -258,20 +273,29 @@ def median_interval(values: list[float]) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", type=int, default=40, help="comparable pairs of blocks to collect, both phases")
-    parser.add_argument("--most", type=int, default=200, help="pairs of blocks to run at most, both phases")
+    parser.add_argument("--pairs", type=int, default=24, help="comparable pairs of blocks to collect, both phases")
+    parser.add_argument("--most", type=int, default=80, help="pairs of blocks to run at most, both phases")
     parser.add_argument("--waves", type=int, default=1, help=f"waves of {MAX_NUM_SEQS} completions per block")
     parser.add_argument("--tokens", type=int, default=200, help="tokens per completion (max-model-len is 256)")
+    parser.add_argument("--control", action="store_true", help="both servers with observation off (what noise is)")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     if not VLLM_PYTHON.exists():
         print("bench_decode: no .venv-vllm (run `make engine-env`)", file=sys.stderr)
         return 2
-    report = Report("Engine decode throughput, observation on and off (real vLLM CPU servers)", METHOD)
+    title = "Engine decode throughput, observation on and off (real vLLM CPU servers)"
+    if args.control:
+        title += ": control, both off"
+    report = Report(title, METHOD)
     report.start()
     blocks = f"{args.waves} x {MAX_NUM_SEQS} completions x {args.tokens} tokens"
     report.note("pairs", f"{args.pairs} comparable wanted, {args.most} at most; a block: {blocks}")
-    ratio = measure(report, args.pairs, args.most, args.waves, args.tokens)
+    intervals = CONTROL_INTERVALS if args.control else INTERVALS
+    ratio = measure(report, args.pairs, args.most, (args.waves, args.tokens), intervals)
+    if args.control:
+        report.note("control: two identical servers, median of pairs ('on' / 'off')", f"{ratio:.4f}")
+        report.finish(args.json_out)
+        return 0
     report.check(
         f"decode rate with observation on >= {1 - SLOWDOWN_BUDGET:.2f} x off (median of pairs)",
         f"{ratio:.4f} x",

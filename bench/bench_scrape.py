@@ -36,7 +36,9 @@ from kv_exporter.plugin.settings import DEFAULT_OBSERVE_INTERVAL_S
 
 OURS, BASELINE = "kv-exporter", "baseline (plain gauges)"
 OBSERVED = "kv-exporter, observed"
-OBSERVED_BUDGET = 0.10  # the observed set's median within 10% of the declared-only one's
+# The observed page carries each owner's series on top of the declarations': it costs more in proportion. What must
+# not change is the cost of a series: the observed set's median per series within 10% of the declared-only one's.
+OBSERVED_BUDGET = 0.10
 MEDIAN_MS = 5.0
 IDLE_GAP_S = 1.0
 P99_MS = 20.0
@@ -68,7 +70,9 @@ def main() -> int:
     report = Report("Target 1: scrape latency (8 GPUs x 3 stages x 6 declarations, 3 engines)", METHOD)
     report.start()
     with tempfile.TemporaryDirectory() as tmp, children() as kids:
-        subjects, engines_cpu = measure(kids, Path(tmp), args.scrapes, args.compare_with, args.idle_scrapes, report)
+        subjects, series, engines_cpu = measure(
+            kids, Path(tmp), args.scrapes, args.compare_with, args.idle_scrapes, report
+        )
     stats = {name: summarize(subject.samples) for name, subject in subjects.items()}
     for name, subject in subjects.items():
         report.stats(f"{name} scrape", stats[name])
@@ -83,12 +87,14 @@ def main() -> int:
     report.check(f"median <= {MEDIAN_MS:g} ms", f"{ours.median:.2f} ms", ours.median <= MEDIAN_MS)
     report.check(f"p99 <= {P99_MS:g} ms", f"{ours.p99:.2f} ms", ours.p99 <= P99_MS)
     observed = stats[OBSERVED].median / ours.median
+    per_series = observed * series[OURS] / series[OBSERVED]
     report.note(f"median ({OBSERVED} / {OURS})", f"{observed:.3f}")
     report.note(f"CPU ({OBSERVED} / {OURS})", f"{subjects[OBSERVED].cpu_s / subjects[OURS].cpu_s:.3f}")
+    report.note(f"median per series ({OBSERVED} / {OURS})", f"{per_series:.3f}")
     report.check(
-        f"observed set's median within {OBSERVED_BUDGET:.0%} of the declared-only one's",
-        f"{observed:.3f} x",
-        abs(observed - 1) <= OBSERVED_BUDGET,
+        f"observed set's median per series within {OBSERVED_BUDGET:.0%} of the declared-only one's",
+        f"{per_series:.3f} x",
+        abs(per_series - 1) <= OBSERVED_BUDGET,
     )
     report.finish(args.json_out)
     return 0
@@ -96,12 +102,14 @@ def main() -> int:
 
 def measure(
     kids: Children, tmp: Path, scrapes: int, compare_with: str | None, idle_scrapes: int, report: Report
-) -> tuple[dict[str, Subject], float]:
-    """Scrape every subject `scrapes` times (after 50 uncounted); returns them and the engines' CPU seconds."""
+) -> tuple[dict[str, Subject], dict[str, int], float]:
+    """Scrape every subject `scrapes` times (after 50 uncounted); returns them, the series on the two sidecars' pages
+    and the engines' CPU seconds."""
     observed_folder = tmp / "observed"
     running = start_deployment(kids, SCRAPE_LAYOUT, tmp, refresh=observed_folder / "manifests")
     spec = equivalent_spec(text_page(running.port))
-    report.note("series on the page", series_count(spec))
+    series = {OURS: series_count(spec)}
+    report.note("series on the page", series[OURS])
     baseline_pid, baseline_port = start_baseline(kids, spec, tmp)
     write_deployment(observed_folder / "manifests", SCRAPE_LAYOUT, running.engines.pid, observed=True)
     observed = start_sidecar(kids, SCRAPE_LAYOUT, observed_folder, running.engines.pid, running.engine_ports)
@@ -109,7 +117,8 @@ def measure(
     observed_page = text_page(observed.port)
     if 'state="ok"} 1.0' not in observed_page:
         raise RuntimeError(f"the observed sidecar exports no usable observation; see {observed_folder}")
-    report.note("series on the observed page", series_count(equivalent_spec(observed_page)))
+    series[OBSERVED] = series_count(equivalent_spec(observed_page))
+    report.note("series on the observed page", series[OBSERVED])
     subjects = {
         OURS: Subject(running.sidecar.pid, Scraper("127.0.0.1", running.port)),
         OBSERVED: Subject(observed.pid, Scraper("127.0.0.1", observed.port)),
@@ -131,7 +140,7 @@ def measure(
             report.stats(f"{name}: first scrape after {IDLE_GAP_S:g} s idle", summarize(samples))
     for subject in subjects.values():
         subject.scraper.close()
-    return subjects, engines_cpu
+    return subjects, series, engines_cpu
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ from the repository root, as every benchmark module. Each benchmark is a standal
 its figures (median, p90, p99, min-max) and the ratio against its baseline measured in the same run; this runner
 streams that output, collects each module's checks (`--json-out`) and prints the summary. A miss is a finding, not
 a failure: the exit status is 0 when every benchmark ran (1 with --strict when a target was missed), 2 when one
-could not run. The decode benchmark starts two real vLLM engines (.venv-vllm) and takes about 6 minutes: it runs
-with --engine, or when --only names it.
+could not run. The decode benchmarks each start real vLLM engines (.venv-vllm) and take about 3 minutes: they run
+with --engine, or when --only names them.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class Bench:
     module: str  # bench.MODULE
     quick: tuple[str, ...]  # arguments for --quick (a smoke run: same code paths, fewer samples)
     engine: bool = False  # starts real vLLM engines: only with --engine, or when --only names it
+    args: tuple[str, ...] = ()  # always passed
 
 
 BENCHES = (
@@ -42,6 +43,8 @@ BENCHES = (
     Bench("hook", "bench_hook", ("--repeats", "10")),  # the hook helper's; optional
     Bench("observe", "bench_observe", ("--repeats", "5", "--creations", "5000")),
     Bench("decode", "bench_decode", ("--pairs", "4", "--most", "8"), engine=True),
+    # The same with both servers off: what two identical servers differ by, the resolution of the line above.
+    Bench("decode_control", "bench_decode", ("--pairs", "4", "--most", "8"), engine=True, args=("--control",)),
 )
 
 
@@ -54,7 +57,7 @@ class Outcome:
 
 
 def run(bench: Bench, quick: bool, out: Path) -> Outcome:
-    extra = list(bench.quick) if quick else []
+    extra = [*bench.args, *(bench.quick if quick else ())]
     started = time.monotonic()
     if bench.key == "hook":
         return run_hook(bench, extra, started)
