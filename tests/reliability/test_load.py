@@ -25,7 +25,6 @@ SCRAPERS = 50
 SECONDS = float(os.environ.get("KVX_LOAD_SECONDS", "60"))
 WARM_UP_S = 5.0  # thread stacks, allocator arenas and caches fill up first; growth is measured after
 MAX_GROWTH_KIB = 5 * 1024
-LAST_FAMILY = b"# TYPE model_local_kv_exporter_build_info gauge\nmodel_local_kv_exporter_build_info{"
 
 
 @dataclass
@@ -36,7 +35,12 @@ class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def scrape_until(sc: Sidecar, deadline: float, tally: Tally) -> None:
+def last_help_line(page: bytes) -> bytes:
+    """The HELP line of a page's last family: a page cut short ends before it, or without its samples' newline."""
+    return page[page.rindex(b"# HELP ") :].split(b"\n", 1)[0]
+
+
+def scrape_until(sc: Sidecar, deadline: float, tally: Tally, last_help: bytes) -> None:
     netloc = urllib.parse.urlsplit(sc.url).netloc
     conn = http.client.HTTPConnection(netloc, timeout=30)
     while time.monotonic() < deadline:
@@ -45,7 +49,8 @@ def scrape_until(sc: Sidecar, deadline: float, tally: Tally) -> None:
             conn.request("GET", "/metrics")
             response = conn.getresponse()
             body = response.read()
-            whole = response.status == 200 and LAST_FAMILY in body[-300:] and body.endswith(b"\n")
+            whole = response.status == 200 and b"# HELP " in body and last_help_line(body) == last_help
+            whole = whole and body.endswith(b"\n")
             error = None if whole else f"HTTP {response.status}, {len(body)} bytes"
         except (OSError, http.client.HTTPException) as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -63,7 +68,8 @@ def scrape_until(sc: Sidecar, deadline: float, tally: Tally) -> None:
 def run_scrapers(sc: Sidecar, seconds: float) -> Tally:
     tally = Tally()
     deadline = time.monotonic() + seconds
-    threads = [threading.Thread(target=scrape_until, args=(sc, deadline, tally)) for _ in range(SCRAPERS)]
+    last_help = last_help_line(sc.text().encode())  # from a scrape alone
+    threads = [threading.Thread(target=scrape_until, args=(sc, deadline, tally, last_help)) for _ in range(SCRAPERS)]
     for t in threads:
         t.start()
     for t in threads:
