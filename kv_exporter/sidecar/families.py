@@ -219,26 +219,26 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
         "model_local_kv_manifest_errors",
         "Invalid manifest file versions seen, by reason.",
         ("reason",),
-        [((reason,), count) for reason, count in snapshot.manifest_errors_total.items()],
+        sorted(((reason,), count) for reason, count in snapshot.manifest_errors_total.items()),
     )
     page_errors = _counter(
         "model_local_kv_engine_page_errors",
         "Failed engine page reads, by target and reason.",
         ("target", "reason"),
-        snapshot.page_errors_total.items(),
+        _by_configured_target(snapshot.page_errors_total),
     )
     nvml_errors = _counter(
         "model_local_kv_nvml_errors",
         "Failed GPU reader calls, by reason.",
         ("reason",),
-        [((reason,), count) for reason, count in snapshot.nvml_errors_total.items()],
+        sorted(((reason,), count) for reason, count in snapshot.nvml_errors_total.items()),
     )
     observation_errors = _counter(
         "model_local_kv_observation_errors",
         "Observations refused and never exported as figures, by reason: unreadable ones once per file version, "
         "stale ones once per sample, ones from a dead process once per file version.",
         ("reason",),
-        [((reason,), count) for reason, count in snapshot.observation_errors_total.items()],
+        sorted(((reason,), count) for reason, count in snapshot.observation_errors_total.items()),
     )
     dropped = GaugeMetricFamily(
         "model_local_kv_series_limit_dropped_manifests",
@@ -269,10 +269,18 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
 def _counter(
     name: str, doc: str, labels: tuple[str, ...], counts: Iterable[tuple[tuple[str, ...], int]]
 ) -> CounterMetricFamily:
+    """Series in the order of `counts`."""
     counter = CounterMetricFamily(name, doc, labels=list(labels))
-    for label_values, count in sorted(counts):
+    for label_values, count in counts:
         counter.add_metric(label_values, count)
     return counter
+
+
+def _by_configured_target(counts: dict[tuple[str, str], int]) -> list[tuple[tuple[str, ...], int]]:
+    """Targets in the order they were configured (the order the counter holds them), reasons sorted within each:
+    sorting by URL would order targets by their ports, which differ from one start to the next."""
+    position = {target: index for index, target in enumerate(dict.fromkeys(target for target, _ in counts))}
+    return sorted(counts.items(), key=lambda item: (position[item[0][0]], item[0][1]))
 
 
 def families(snapshot: Snapshot) -> list[Metric]:

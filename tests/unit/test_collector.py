@@ -341,3 +341,13 @@ def test_series_cap_leaves_series_out_but_not_the_projection() -> None:
     assert len(capped.declarations) < len(full.declarations)
     assert capped.gpus[0].projected_peak == full.gpus[0].projected_peak
     assert capped.gpus[0].safe_max_num_seqs == full.gpus[0].safe_max_num_seqs
+
+
+def test_page_error_series_follow_the_configured_targets_and_sort_reasons_within_each() -> None:
+    # Ports differ from one start to the next: sorted by URL, the targets' order on the page would too.
+    later, first = "http://127.0.0.1:9/metrics", "http://127.0.0.1:10000/metrics"
+    counts = {(later, "timeout"): 0, (later, "malformed"): 2, (first, "unreachable"): 1, (first, "bad_value"): 0}
+    snapshot = build_snapshot([], [], GpuResult(True, "simulated", []), page_errors_total=counts)
+    [family] = [f for f in families(snapshot) if f.name == "model_local_kv_engine_page_errors"]
+    order = [(s.labels["target"], s.labels["reason"], s.value) for s in family.samples]
+    assert order == [(later, "malformed", 2), (later, "timeout", 0), (first, "bad_value", 0), (first, "unreachable", 1)]
