@@ -23,6 +23,7 @@ pytestmark = pytest.mark.e2e
 
 NAME = b"vllm:num_requests_running"
 # id -> a page of one line, and whether Prometheus reads it.
+NOW_MS = b"<now in ms>"  # stands for the time the page is served
 LINES: dict[str, tuple[bytes, bool]] = {
     "plain": (NAME + b'{engine="0",model_name="plain"} 3', True),
     "blanks_first": (b" \t" + NAME + b'{model_name="blanks_first"} 3', False),  # they become part of the name
@@ -35,7 +36,7 @@ LINES: dict[str, tuple[bytes, bool]] = {
     "exponent": (NAME + b'{model_name="exponent"} 3E+0', True),
     "minus_zero": (NAME + b'{model_name="minus_zero"} -0', True),
     "fraction": (NAME + b'{model_name="fraction"} 2.9', True),
-    "timestamp": (NAME + b'{model_name="timestamp"} 3 %d' % (time.time() * 1000), True),
+    "timestamp": (NAME + b'{model_name="timestamp"} 3 ' + NOW_MS, True),
     "largest_timestamp": (NAME + b'{model_name="largest_timestamp"} 3 9223372036854775807', True),
     "escapes": (NAME + b'{model_name="esc\\"a\\\\pe\\t"} 3', True),
     "inf": (NAME + b'{model_name="inf"} +Inf', True),
@@ -95,7 +96,9 @@ def grammar_config(urls: dict[str, str]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def engines() -> Iterator[dict[str, SimulatedEngine]]:
     """One engine serving every line at its own path, and one per framing (a fault mode is per engine)."""
-    lines = SimulatedEngine({f"/{case}/metrics": page(line) for case, (line, _) in LINES.items()})
+    now_ms = b"%d" % (time.time() * 1000)  # when served: Prometheus keeps no sample stamped over 5 min before a query
+    pages = {f"/{case}/metrics": page(line.replace(NOW_MS, now_ms)) for case, (line, _) in LINES.items()}
+    lines = SimulatedEngine(pages)
     framed = {mode: SimulatedEngine(page(LINES["plain"][0]), fault=mode) for mode in FRAMINGS}
     try:
         yield {"lines": lines, **framed}
