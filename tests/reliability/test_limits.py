@@ -146,13 +146,15 @@ def test_a_folder_of_files_just_under_the_size_cap_keeps_the_page_small(tmp_path
         assert 0.9 * DEFAULT_LIMITS.max_bytes < size < DEFAULT_LIMITS.max_bytes, size
     cost = manifest_cost(manifests[0])
     kept = DEFAULT_MAX_LABEL_BYTES // cost.label_bytes
-    assert 1 <= kept < len(manifests) and kept * cost.series < DEFAULT_MAX_SERIES  # the label budget binds
     with sidecar(tmp_path, "--manifest-dir", str(folder), *SIMULATE_GPU) as sc:
         for _ in range(2):
             status, _, body = sc.get()
             assert status == 200
             s = parse(body.decode())
-            assert pick(s, "model_local_kv_series_limit_dropped_manifests") == len(manifests) - kept
+            dropped = pick(s, "model_local_kv_series_limit_dropped_manifests")
+            # Some left out while the page stays far under --max-series: the label budget is what binds.
+            assert dropped > 0 and len(s) < DEFAULT_MAX_SERIES // 2, (dropped, len(s))
+            assert dropped == len(manifests) - kept
             assert len(declared_models(s)) == kept
             assert len(body) < DEFAULT_MAX_LABEL_BYTES + SERIES_LINE_BYTES * len(s) + (64 << 10)
         assert sc.stop() == 0
