@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -50,6 +51,14 @@ from tests.fuzz.inputs import (
 EXAMPLES = int(os.environ.get("KVX_FUZZ_EXAMPLES", "150"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
+
+def mutated(seed: bytes, mutate: Callable[[bytes, random.Random], bytes], rng: random.Random, rounds: int) -> bytes:
+    """`seed` after `rounds` applications of `mutate`."""
+    for _ in range(rounds):
+        seed = mutate(seed, rng)
+    return seed
+
+
 MANIFEST_SEEDS = manifest_seeds()
 PAGE_SEEDS = engine_page_seeds()
 
@@ -82,9 +91,7 @@ def test_arbitrary_json_is_rejected_cleanly(document: object) -> None:
 @FUZZ
 @given(st.sampled_from(MANIFEST_SEEDS), st.randoms(use_true_random=False), st.integers(1, 4))
 def test_mutated_manifests_are_rejected_cleanly_or_round_trip(seed: bytes, rng: random.Random, rounds: int) -> None:
-    data = seed
-    for _ in range(rounds):
-        data = mutate_manifest_bytes(data, rng)
+    data = mutated(seed, mutate_manifest_bytes, rng, rounds)
     check_manifest(data)
 
 
@@ -208,9 +215,7 @@ def test_spliced_pages_never_crash_the_scanner(data: bytes) -> None:
 @FUZZ
 @given(st.sampled_from(PAGE_SEEDS), st.randoms(use_true_random=False), st.integers(1, 6))
 def test_mutated_real_pages_never_crash_the_scanner(seed: bytes, rng: random.Random, rounds: int) -> None:
-    data = seed
-    for _ in range(rounds):
-        data = mutate_page(data, rng)
+    data = mutated(seed, mutate_page, rng, rounds)
     check_engine_page(data)
 
 
@@ -305,9 +310,7 @@ def test_arbitrary_answers_never_crash_the_fetch(data: bytes) -> None:
 @FUZZ
 @given(st.sampled_from(ANSWER_SEEDS), st.randoms(use_true_random=False), st.integers(1, 4))
 def test_mutated_answers_never_crash_the_fetch(seed: bytes, rng: random.Random, rounds: int) -> None:
-    data = seed
-    for _ in range(rounds):
-        data = mutate_answer(data, rng)
+    data = mutated(seed, mutate_answer, rng, rounds)
     check_fetch(data)
 
 
