@@ -27,6 +27,7 @@ from kv_exporter.gpu import NVML_ERROR_REASONS, SOURCE_NVML, GpuReader
 from kv_exporter.manifest import DEFAULT_LIMITS, ManifestLimits
 from kv_exporter.printable import printable
 from kv_exporter.procfs import current_pid_namespace
+from kv_exporter.sidecar.allocator import return_free_memory
 from kv_exporter.sidecar.budget import DEFAULT_MAX_LABEL_BYTES, DEFAULT_MAX_SERIES, SeriesCap
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
 from kv_exporter.sidecar.families import families
@@ -173,6 +174,7 @@ class Collection:
             taken_at=now,
         )
         self._account_series(snapshot)
+        return_free_memory()  # what a large input (now gone) left in the heaps: see allocator.py
         return snapshot
 
     def _account_series(self, snapshot: Snapshot) -> None:

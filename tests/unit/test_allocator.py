@@ -1,0 +1,54 @@
+"""glibc's real allocator in this process: free blocks pinned below live ones in a thread's heap stay resident
+until `return_free_memory` hands them back, and it does so only past its slack."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from kv_exporter.sidecar.allocator import FREE_SLACK_BYTES, free_heap_bytes, return_free_memory
+from tests.support.constants import MIB
+
+pytestmark = pytest.mark.skipif(free_heap_bytes() is None, reason="the C library is not glibc")
+
+BLOCK_BYTES = 1_100  # past pymalloc's 512 bytes: each block is glibc's
+BLOCKS = 30_000  # ~33 MB
+KEEP_EVERY = 64  # one live block in 64 pins the free ones below it
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def fragment_a_thread_heap() -> list[bytes]:
+    """What parsing a folder of big manifests did: many blocks in a thread's heap, a few of which outlive it."""
+    kept: list[bytes] = []
+
+    def work() -> None:
+        blocks = [bytes(BLOCK_BYTES) for _ in range(BLOCKS)]
+        kept.extend(blocks[::KEEP_EVERY])
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    return kept
+
+
+def test_free_blocks_below_live_ones_are_handed_back() -> None:
+    return_free_memory(0)
+    kept = fragment_a_thread_heap()
+    free, resident = free_heap_bytes(), resident_bytes()
+    assert free is not None and free > 20 * MIB  # freed, yet still the allocator's
+    assert return_free_memory() is True  # still free, but no longer resident:
+    assert resident - resident_bytes() > 16 * MIB, "the free blocks went back to the system"
+    assert len(kept) == -(-BLOCKS // KEEP_EVERY)  # the live blocks survive it
+
+
+def test_under_the_slack_nothing_is_trimmed() -> None:
+    return_free_memory(0)
+    free = free_heap_bytes()
+    assert free is not None and free < FREE_SLACK_BYTES
+    assert return_free_memory() is False
