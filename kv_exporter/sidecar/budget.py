@@ -17,6 +17,7 @@ on the files and the pages, so the same ones stay out scrape after scrape.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -76,8 +77,25 @@ def _engine_size(key: EngineKey, pod: PodInfo) -> int:
     return label_size(key.model_name) + len(str(key.stage)) + len(str(key.engine)) + _pod_size(pod)
 
 
+# Costs by manifest object, each dropped with its object. The store hands out the same Manifest while its file is
+# unchanged, so each file version is costed once: costing every live manifest on every scrape took half of
+# build_snapshot's time (~5 us a declaration; docs/benchmarks.md).
+_costs: dict[int, tuple[weakref.ref[Manifest], Cost]] = {}
+
+
 def manifest_cost(manifest: Manifest) -> Cost:
     """The most series one live manifest can add to the page, and the bytes of their label values."""
+    key = id(manifest)
+    known = _costs.get(key)
+    if known is not None and known[0]() is manifest:
+        return known[1]
+    cost = _cost(manifest)
+    # The callback runs as the manifest is freed, before its id can be reused.
+    _costs[key] = (weakref.ref(manifest, lambda _: _costs.pop(key, None)), cost)
+    return cost
+
+
+def _cost(manifest: Manifest) -> Cost:
     owners = {d.owner for d in manifest.declarations}
     owners.update(o.owner for o in (manifest.observation.owners if manifest.observation else ()))
     engine = _engine_size(engine_key(manifest), manifest.pod)

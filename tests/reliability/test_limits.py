@@ -12,6 +12,7 @@ import pytest
 from kv_exporter.manifest import DEFAULT_LIMITS, Manifest, PodInfo, write_manifest
 from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
+from kv_exporter.sidecar import budget
 from kv_exporter.sidecar.budget import (
     DEFAULT_MAX_LABEL_BYTES,
     DEFAULT_MAX_SERIES,
@@ -134,6 +135,21 @@ def test_the_series_accounting_matches_the_families() -> None:
     for line in text.splitlines():  # and the rest of each line is within its bound
         if not line.startswith(b"#"):
             assert len(line) + 1 - sum(map(len, LABEL_VALUE.findall(line))) <= SERIES_LINE_BYTES
+
+
+def test_a_cost_is_remembered_per_manifest_object_and_forgotten_with_it() -> None:
+    """Costs are kept by object identity while the store keeps a file's parse: a freed manifest's id, reused by the
+    next one, must not bring back its cost, and the memo must not outlive the manifests."""
+    before = len(budget._costs)
+    sizes = [huge_manifest(0), live_manifest(QWEN3_TTS), live_manifest(MINICPM_O)]
+    expected = [budget._cost(m) for m in sizes]
+    for _ in range(50):  # each round frees a manifest whose id the next one is likely to get
+        for manifest, cost in zip(sizes, expected, strict=True):
+            copy = dataclasses.replace(manifest)
+            assert manifest_cost(copy) == cost
+            assert manifest_cost(copy) is manifest_cost(copy)  # the same object: costed once
+            del copy
+    assert len(budget._costs) == before
 
 
 def test_a_folder_of_files_just_under_the_size_cap_keeps_the_page_small(tmp_path: Path) -> None:
