@@ -1,8 +1,11 @@
-"""Engine decode throughput with observation on and off: two real vLLM 0.32 CPU servers, side by side.
+"""Engine decode throughput with observation on and off: two real vLLM 0.32 CPU servers side by side, or one
+server whose worker pauses and resumes its observation between blocks (--same-server).
 
-    .venv/bin/python -m bench.bench_decode [--pairs N] [--waves N] [--tokens N] [--json-out FILE]
+    .venv/bin/python -m bench.bench_decode [--same-server] [--control] [--pairs N] [--waves N] [--tokens N]
+        [--json-out FILE]
 
-Needs .venv-vllm (`make engine-env`); takes about 6 minutes (two engine start-ups, then the blocks), so
+The same-server comparison is the claim: one process, so what tells two fresh servers apart cannot enter it.
+Needs .venv-vllm (`make engine-env`); takes about 4 minutes at 24 pairs (6 with two servers), so
 `bench.run_all` runs it only when asked (`--engine`, or `--only decode`). A missed target is reported, not an error
 (exit status 0); 2 without .venv-vllm.
 """
@@ -10,6 +13,7 @@ Needs .venv-vllm (`make engine-env`); takes about 6 minutes (two engine start-up
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import operator
 import os
@@ -29,10 +33,16 @@ from tests.engine.testplugin.kvx_testplugin import geometry as g
 from tests.engine.tinymodel import build_model
 from tests.support.scrape import parse, pick
 
-INTERVALS = {"on": "1", "off": "0"}  # KV_EXPORTER_OBSERVE_INTERVAL; 1 s: the engine tests', ten times the default
+# KV_EXPORTER_OBSERVE_INTERVAL of the "on" arm: 1 s, the engine tests', ten times the default. Not longer: a resumed
+# sampler waits one interval before its first sample, so with intervals past a block's length the "on" blocks of
+# --same-server would sample nothing (measured at 10 s: the tracking alone).
+ON_INTERVAL = "1"
 # --control: both servers with observation off, so the ratio shows what two identical servers differ by here.
 CONTROL_INTERVALS = {"on": "0", "off": "0"}
 ORDERS = (("on", "off"), ("off", "on"))  # the servers' start order in each phase: a server started first runs slower
+# --same-server: the worker's observation in each arm (the test worker's kvx_observation, through /collective_rpc)
+SAME_SERVER_STATES = {"on": "running", "off": "paused"}
+CONTROL_STATES = {"on": "running", "off": "running"}
 SLOWDOWN_BUDGET = 0.01  # at most 1% slower with observation on
 # A pair counts when other processes' load differed by at most this between its two blocks (this machine is shared).
 FOREIGN_DIFFERENCE_CORES = 0.1
@@ -42,12 +52,14 @@ METHOD = f"""
 Two real vLLM 0.32 CPU servers (default multi-process layout: API server, engine core, worker; --enforce-eager,
 fp32, max_num_seqs {MAX_NUM_SEQS}) serve the same tiny Qwen2 with the engine tests' observed architecture: three
 inner modules make a real DynamicCache per request at admission and drop it when the request finishes, so the
-tracker sees caches created and released throughout. One server samples every second
-(KV_EXPORTER_OBSERVE_INTERVAL=1: the cache class patched, caches tracked, the sampler thread walking them), the other
+tracker sees caches created and released throughout. One server samples every second (KV_EXPORTER_OBSERVE_INTERVAL=1,
+ten times the default rate: the cache class patched, caches tracked, the sampler thread walking them), the other
 has observation off (KV_EXPORTER_OBSERVE_INTERVAL=0: nothing patched, no thread). Both run at once; the idle one
 sleeps (vLLM's workers wait on a socket once idle). Blocks alternate in pairs, on, off, off, on, ...: a block is W
-waves of {MAX_NUM_SEQS} concurrent completions of T tokens (ignore_eos, short prompts), decode-bound with
-{MAX_NUM_SEQS} sequences per step. Two phases, each with two fresh servers: the first starts "on" first, the second
+waves of one completion request of {MAX_NUM_SEQS} prompts, T tokens each (ignore_eos, short prompts), decode-bound
+with {MAX_NUM_SEQS} sequences per step from the first (as {MAX_NUM_SEQS} separate requests from client threads, the
+requests often reached a server that kept both cores busy one by one, and blocks ran 1 to 8 sequences a step:
+575 to 3,800 tokens/s). Two phases, each with two fresh servers: the first starts "on" first, the second
 "off" first (two servers both "off" differed by ~10% in a trial, the first started being the slower).
 This machine is shared: during each block, the CPU other processes used (/proc/stat, steal included, less both
 servers' process groups and this client) is measured, and a pair counts only where that load differed by at most
@@ -59,6 +71,15 @@ of the server's process group. Ratios are on / off: of the medians, and the medi
 interval of that median (order statistics). And from inside the "on" worker, the duration of its last sample at the
 end of each block (the manifest's duration_s): the sampler's share of the worker's time, which other processes
 cannot blur.
+"""
+
+SAME_SERVER_METHOD = f"""
+--same-server: one such server, observation on (KV_EXPORTER_OBSERVE_INTERVAL=1), whose test worker pauses and
+resumes it between blocks through vLLM's dev-mode /collective_rpc (VLLM_SERVER_DEV_MODE=1): "off" blocks run with
+the sampler thread stopped and new caches untracked (the cache class keeps its patched __new__, which then tracks
+nowhere: the only difference left from observation off), "on" blocks with both back. One process, so the ~10%
+by which two fresh servers differ here (the two-server control) cannot enter; pairs alternate on, off, off, on, and
+count as above ({FOREIGN_DIFFERENCE_CORES} cores). --control: both arms "running".
 """
 
 
@@ -106,7 +127,7 @@ class Machine:
     """CPU time used on the whole machine (/proc/stat, steal included) and by our processes: the rest is others'."""
 
     def __init__(self, servers: dict[str, Server]) -> None:
-        self._servers = servers
+        self._servers = {server.pid: server for server in servers.values()}  # one server may serve both arms
         self._tick = os.sysconf("SC_CLK_TCK")
 
     def foreign_cpu_s(self) -> float:
@@ -141,7 +162,7 @@ def block(server: Server, machine: Machine, waves: int, tokens: int) -> Block:
     foreign = machine.foreign_cpu_s()
     started = time.perf_counter()
     for _ in range(waves):
-        server.concurrent_completions(MAX_NUM_SEQS, tokens)
+        server.batched_completion(MAX_NUM_SEQS, tokens)
     wall = time.perf_counter() - started
     foreign = machine.foreign_cpu_s() - foreign
     after = counters(server, worker)
@@ -170,12 +191,13 @@ def observation(server: Server) -> tuple[ObservationState, float]:
     return sample.state, sample.taken_at
 
 
-def alternate(servers: dict[str, Server], comparable: int, most: int, run: Callable[[Server], Block]) -> list[Pair]:
-    """Pairs of blocks in the order on, off, off, on, ... until `comparable` of them are, or `most` were run."""
+def alternate(comparable: int, most: int, run: Callable[[str], Block]) -> list[Pair]:
+    """Pairs of blocks (`run` of "on" and "off") in the order on, off, off, on, ... until `comparable` of them are,
+    or `most` were run."""
     pairs: list[Pair] = []
     while len(pairs) < most and sum(pair.comparable for pair in pairs) < comparable:
         order = ("on", "off") if len(pairs) % 2 == 0 else ("off", "on")
-        blocks = {name: run(servers[name]) for name in order}
+        blocks = {name: run(name) for name in order}
         pairs.append(Pair(blocks["on"], blocks["off"]))
     return pairs
 
@@ -207,7 +229,7 @@ def phase(
         for server in servers.values():
             block(server, machine, 1, tokens)  # warm-up, not counted
         first_sample = observation(servers["on"])[1]
-        found = alternate(servers, *pairs, lambda server: block(server, machine, waves, tokens))
+        found = alternate(*pairs, lambda name: block(servers[name], machine, waves, tokens))
         states = {name: observation(server)[0] for name, server in servers.items()}
         sampled_s = observation(servers["on"])[1] - first_sample
     finally:
@@ -218,20 +240,72 @@ def phase(
     return Phase(found, sampled_s)
 
 
+def same_server_phase(
+    workdir: Path,
+    model: Path,
+    pairs: tuple[int, int],
+    block_size: tuple[int, int],
+    states: dict[str, str],
+    interval: str,
+) -> Phase:
+    """One server, observation on; before each block its worker is set to that arm's state; stopped, pass or fail."""
+    waves, tokens = block_size
+    env = {"KV_EXPORTER_OBSERVE_INTERVAL": interval, "KVX_TEST_REPORT_DIR": "", "VLLM_SERVER_DEV_MODE": "1"}
+    server = start_server(workdir, model, env=env, args=["--worker-cls", WORKER])
+    try:
+        server.wait_ready()
+        machine = Machine({"on": server})
+        block(server, machine, 1, tokens)  # warm-up, not counted
+        first_sample = observation(server)[1]
+
+        def run(name: str) -> Block:
+            assert server.collective_rpc("kvx_observation", states[name]) == [states[name]]
+            return block(server, machine, waves, tokens)
+
+        found = alternate(*pairs, run)
+        assert server.collective_rpc("kvx_observation", "running") == ["running"]
+        time.sleep(float(interval) * 2)  # a sample after the last resume: the sampler really runs again
+        state, last_sample = observation(server)
+    finally:
+        server.stop()
+    assert state is ObservationState.OK, state
+    return Phase(found, last_sample - first_sample)
+
+
 def measure(
-    report: Report, comparable: int, most: int, block_size: tuple[int, int], intervals: dict[str, str]
+    report: Report,
+    comparable: int,
+    most: int,
+    block_size: tuple[int, int],
+    control: bool,
+    same_server: bool,
+    interval: str,
 ) -> float:
     """The median of the comparable pairs' decode-rate ratios (on / off)."""
     pairs: list[Pair] = []
+    intervals = CONTROL_INTERVALS if control else {"on": interval, "off": "0"}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "model", architecture=g.OBSERVED_ARCHITECTURE)
-        per_phase = (comparable // len(ORDERS), most // len(ORDERS))
-        for index, order in enumerate(ORDERS):
-            done = phase(Path(tmp) / f"phase-{index}", model, order, per_phase, block_size, intervals)
+        phases: list[tuple[str, Callable[[], Phase]]]
+        if same_server:
+            states = CONTROL_STATES if control else SAME_SERVER_STATES
+            one = functools.partial(same_server_phase, Path(tmp) / "phase-0", model, (comparable, most))
+            phases = [("one server", functools.partial(one, block_size, states, interval))]
+        else:
+            per_phase = (comparable // len(ORDERS), most // len(ORDERS))
+            phases = [
+                (
+                    f"started {' then '.join(order)}",
+                    functools.partial(phase, Path(tmp) / f"phase-{i}", model, order, per_phase, block_size, intervals),
+                )
+                for i, order in enumerate(ORDERS)
+            ]
+        for index, (what, run) in enumerate(phases):
+            done = run()
             kept = [pair for pair in done.pairs if pair.comparable]
             decode = statistics.median(pair.off.itl_ms / pair.on.itl_ms for pair in kept) if kept else math.nan
             report.note(
-                f"phase {index} (started {' then '.join(order)})",
+                f"phase {index} ({what})",
                 f"{len(done.pairs)} pairs, {len(kept)} comparable, decode rate on / off {decode:.4f}; "
                 f"the sampler ran {done.sampled_s:.0f} s",
             )
@@ -253,11 +327,11 @@ def measure(
     every = statistics.median(p.on.tokens_per_s / p.off.tokens_per_s for p in pairs)
     report.note("tokens per s: on / off, median of every pair (comparable or not)", f"{every:.4f}")
     samples = [p.on.sample_ms for p in pairs if p.on.sample_ms is not None]
-    if not samples:  # the control: nothing sampled
+    if not samples or control:  # the control: nothing sampled, or the same in both arms
         return claim
     report.stats("a sample in the engine's worker (wall)", summarize(samples))
     report.note("caches in those samples (median)", statistics.median(p.on.sampled_caches for p in pairs))
-    share = statistics.median(samples) / 1000 / float(intervals["on"])
+    share = statistics.median(samples) / 1000 / float(interval)
     report.note("the sampler's share of the worker's time (median sample / interval)", f"{share:.5f}")
     return claim
 
@@ -275,25 +349,33 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=24, help="comparable pairs of blocks to collect, both phases")
     parser.add_argument("--most", type=int, default=80, help="pairs of blocks to run at most, both phases")
-    parser.add_argument("--waves", type=int, default=1, help=f"waves of {MAX_NUM_SEQS} completions per block")
+    parser.add_argument("--waves", type=int, default=5, help=f"waves of {MAX_NUM_SEQS} completions per block")
     parser.add_argument("--tokens", type=int, default=200, help="tokens per completion (max-model-len is 256)")
-    parser.add_argument("--control", action="store_true", help="both servers with observation off (what noise is)")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="both arms alike (what noise is): two servers "
+        "with observation off, or one whose observation runs in both arms",
+    )
+    parser.add_argument("--same-server", action="store_true", help="one server pausing and resuming its observation")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     if not VLLM_PYTHON.exists():
         print("bench_decode: no .venv-vllm (run `make engine-env`)", file=sys.stderr)
         return 2
     title = "Engine decode throughput, observation on and off (real vLLM CPU servers)"
+    if args.same_server:
+        title += ", one server"
     if args.control:
-        title += ": control, both off"
-    report = Report(title, METHOD)
+        title += ": control, both arms alike"
+    report = Report(title, METHOD + (SAME_SERVER_METHOD if args.same_server else ""))
     report.start()
     blocks = f"{args.waves} x {MAX_NUM_SEQS} completions x {args.tokens} tokens"
     report.note("pairs", f"{args.pairs} comparable wanted, {args.most} at most; a block: {blocks}")
-    intervals = CONTROL_INTERVALS if args.control else INTERVALS
-    ratio = measure(report, args.pairs, args.most, (args.waves, args.tokens), intervals)
+    block_size = (args.waves, args.tokens)
+    ratio = measure(report, args.pairs, args.most, block_size, args.control, args.same_server, ON_INTERVAL)
     if args.control:
-        report.note("control: two identical servers, median of pairs ('on' / 'off')", f"{ratio:.4f}")
+        report.note("control: both arms alike, median of pairs ('on' / 'off')", f"{ratio:.4f}")
         report.finish(args.json_out)
         return 0
     report.check(

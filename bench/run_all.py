@@ -42,9 +42,17 @@ BENCHES = (
     Bench("concurrency", "bench_concurrency", ("--seconds", "9")),
     Bench("hook", "bench_hook", ("--repeats", "10")),  # the hook helper's; optional
     Bench("observe", "bench_observe", ("--repeats", "5", "--creations", "5000")),
-    Bench("decode", "bench_decode", ("--pairs", "4", "--most", "8"), engine=True),
-    # The same with both servers off: what two identical servers differ by, the resolution of the line above.
-    Bench("decode_control", "bench_decode", ("--pairs", "4", "--most", "8"), engine=True, args=("--control",)),
+    # One server pausing and resuming its observation; then both arms alike, the resolution of that line.
+    Bench("decode", "bench_decode", ("--pairs", "4", "--most", "8"), engine=True, args=("--same-server",)),
+    Bench(
+        "decode_control",
+        "bench_decode",
+        ("--pairs", "4", "--most", "8"),
+        engine=True,
+        args=("--same-server", "--control"),
+    ),
+    # Two servers, one with observation off from the start (nothing patched): what a fresh pair differs by is larger.
+    Bench("decode_two_servers", "bench_decode", ("--pairs", "4", "--most", "8"), engine=True),
 )
 
 

@@ -82,13 +82,16 @@ class OpenAIServer:
             time.sleep(1.0)
         raise TimeoutError(f"{self.kind} not ready after {timeout:.0f} s:\n{self.log()[-6000:]}")
 
-    def post_completion(self, body: dict[str, Any]) -> dict[str, Any]:
+    def post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(
-            self.url("/v1/completions"), json.dumps(body).encode(), {"Content-Type": "application/json"}
+            self.url(path), json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
         with urllib.request.urlopen(request, timeout=300) as response:
             result: dict[str, Any] = json.loads(response.read())
             return result
+
+    def post_completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.post_json("/v1/completions", body)
 
     def metrics_page(self) -> str:
         with urllib.request.urlopen(self.url("/metrics"), timeout=30) as response:

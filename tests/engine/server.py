@@ -78,6 +78,13 @@ class Server(OpenAIServer):
         body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         return self.post_completion(body)
 
+    def batched_completion(self, count: int, max_tokens: int) -> dict[str, Any]:
+        """One request of `count` prompts: the API server admits them together, so the engine runs them as one batch
+        from the first step (separate client threads reach it staggered when the engine keeps the cores busy)."""
+        prompts = [f"The quick brown fox {i}" for i in range(count)]
+        body = {"model": SERVED_NAME, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        return self.post_json("/v1/completions", body)
+
     def concurrent_completions(self, count: int, max_tokens: int) -> list[dict[str, Any]]:
         results: list[dict[str, Any] | BaseException] = [RuntimeError("not run")] * count
 
@@ -96,6 +103,11 @@ class Server(OpenAIServer):
             if isinstance(result, BaseException):
                 raise result
         return [r for r in results if isinstance(r, dict)]
+
+    def collective_rpc(self, method: str, *args: str) -> list[Any]:
+        """Call `method` on every worker (vLLM's /collective_rpc: only with VLLM_SERVER_DEV_MODE=1)."""
+        results: list[Any] = self.post_json("/collective_rpc", {"method": method, "args": list(args)})["results"]
+        return results
 
     def report(self) -> dict[int, dict[str, Any]]:
         """The test plugin's reports, per pid of the process that wrote them."""

@@ -9,18 +9,22 @@ only after the inner call, and a manifest written from inside it would miss it. 
 
 `--worker-cls kvx_testplugin.worker.KvxRequestsCPUWorker` serves observed.py's architecture: its runner hands each
 step's scheduled and finished request ids to `kvx_observed` before the step runs (a model's forward sees no request
-ids), and changes nothing else.
+ids), and changes nothing else. Its `kvx_observation` pauses and resumes the observation in the worker, for
+bench_decode's same-server comparison (called through vLLM's dev-mode `/collective_rpc`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from vllm.v1.worker import cpu_worker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from kv_exporter.observation import Observation
+from kv_exporter.plugin import observe
 from kvx_testplugin.geometry import CAPTURE_SIZES
 from kvx_testplugin.model import LateOwner, record
 
@@ -70,3 +74,20 @@ class KvxRequestsCPUWorker(cpu_worker.CPUWorker):
     def init_device(self) -> None:
         with builds(KvxRequestsCPUModelRunner):
             super().init_device()
+
+    _kvx_on_sample: Callable[[Observation], None] | None = None
+
+    def kvx_observation(self, state: str) -> str:
+        """ "paused": the sampler stopped and new caches untracked, as near observation off as a process that has
+        patched the cache class gets (its `__new__` stays, tracking nowhere). "running": both back, publishing
+        to the hook's own callback again. Returns the state now."""
+        observer = observe._observer  # the hook's per-process observer: reached into by this test worker only
+        if state == "paused" and observer.sampler is not None and observer.sampler.running:
+            self._kvx_on_sample = observer.sampler.on_sample
+            observe.stop()
+            observer.registry.detach()
+        elif state == "running" and self._kvx_on_sample is not None:
+            observe.patch_cache_module(sys.modules[observe.CACHE_MODULE])
+            observe.start(self._kvx_on_sample)
+        sampler = observer.sampler
+        return "running" if sampler is not None and sampler.running else "paused"
