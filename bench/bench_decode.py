@@ -1,8 +1,8 @@
 """Engine decode throughput with observation on and off: two real vLLM 0.32 CPU servers side by side, or one
 server whose worker pauses and resumes its observation between blocks (--same-server).
 
-    .venv/bin/python -m bench.bench_decode [--same-server] [--control] [--pairs N] [--waves N] [--tokens N]
-        [--json-out FILE]
+    .venv/bin/python -m bench.bench_decode [--same-server] [--control] [--interval S] [--pairs N] [--waves N]
+        [--tokens N] [--json-out FILE]
 
 The same-server comparison is the claim: one process, so what tells two fresh servers apart cannot enter it.
 Needs .venv-vllm (`make engine-env`); takes about 4 minutes at 24 pairs (6 with two servers), so
@@ -33,9 +33,9 @@ from tests.engine.testplugin.kvx_testplugin import geometry as g
 from tests.engine.tinymodel import build_model
 from tests.support.scrape import parse, pick
 
-# KV_EXPORTER_OBSERVE_INTERVAL of the "on" arm: 1 s, the engine tests', ten times the default. Not longer: a resumed
-# sampler waits one interval before its first sample, so with intervals past a block's length the "on" blocks of
-# --same-server would sample nothing (measured at 10 s: the tracking alone).
+# KV_EXPORTER_OBSERVE_INTERVAL of the "on" arm unless --interval says otherwise: 1 s, the engine tests', ten times
+# the default. With --same-server a resumed sampler waits one interval before its first sample: blocks must be longer
+# than the interval for the "on" ones to sample (the report counts those that did).
 ON_INTERVAL = "1"
 # --control: both servers with observation off, so the ratio shows what two identical servers differ by here.
 CONTROL_INTERVALS = {"on": "0", "off": "0"}
@@ -52,8 +52,8 @@ METHOD = f"""
 Two real vLLM 0.32 CPU servers (default multi-process layout: API server, engine core, worker; --enforce-eager,
 fp32, max_num_seqs {MAX_NUM_SEQS}) serve the same tiny Qwen2 with the engine tests' observed architecture: three
 inner modules make a real DynamicCache per request at admission and drop it when the request finishes, so the
-tracker sees caches created and released throughout. One server samples every second (KV_EXPORTER_OBSERVE_INTERVAL=1,
-ten times the default rate: the cache class patched, caches tracked, the sampler thread walking them), the other
+tracker sees caches created and released throughout. One server samples every --interval seconds (default 1, ten
+times the default rate: the cache class patched, caches tracked, the sampler thread walking them), the other
 has observation off (KV_EXPORTER_OBSERVE_INTERVAL=0: nothing patched, no thread). Both run at once; the idle one
 sleeps (vLLM's workers wait on a socket once idle). Blocks alternate in pairs, on, off, off, on, ...: a block is W
 waves of one completion request of {MAX_NUM_SEQS} prompts, T tokens each (ignore_eos, short prompts), decode-bound
@@ -98,7 +98,9 @@ class Block:
     itl_ms: float
     worker_cpu_ms_per_1k: float
     server_cpu_ms_per_1k: float
-    sample_ms: float | None  # the worker's last sample when the block ended: its duration (None: observation off)
+    # The duration of the worker's last sample if it was taken during the block (None: observation off or paused,
+    # or a resumed sampler that had not reached its first interval yet)
+    sample_ms: float | None
     sampled_caches: int
     foreign_cores: float  # CPU other processes used meanwhile (neither server nor this client), in cores
 
@@ -160,7 +162,7 @@ def block(server: Server, machine: Machine, waves: int, tokens: int) -> Block:
     worker = worker_pid(server)
     before = counters(server, worker)
     foreign = machine.foreign_cpu_s()
-    started = time.perf_counter()
+    began, started = time.time(), time.perf_counter()
     for _ in range(waves):
         server.batched_completion(MAX_NUM_SEQS, tokens)
     wall = time.perf_counter() - started
@@ -171,13 +173,13 @@ def block(server: Server, machine: Machine, waves: int, tokens: int) -> Block:
     [path] = server.manifests()
     sample = read_manifest(path).observation
     assert sample is not None
-    on = sample.state is ObservationState.OK
+    fresh = sample.state is ObservationState.OK and sample.taken_at >= began
     return Block(
         tokens_per_s=generated / wall,
         itl_ms=(after.itl_sum - before.itl_sum) / (after.itl_count - before.itl_count) * 1000,
         worker_cpu_ms_per_1k=(after.worker_cpu_s - before.worker_cpu_s) / generated * 1e6,
         server_cpu_ms_per_1k=(after.server_cpu_s - before.server_cpu_s) / generated * 1e6,
-        sample_ms=sample.duration_s * 1000 if on else None,
+        sample_ms=sample.duration_s * 1000 if fresh else None,
         sampled_caches=sum(owner.caches for owner in sample.owners),
         foreign_cores=foreign / wall,
     )
@@ -327,7 +329,10 @@ def measure(
     every = statistics.median(p.on.tokens_per_s / p.off.tokens_per_s for p in pairs)
     report.note("tokens per s: on / off, median of every pair (comparable or not)", f"{every:.4f}")
     samples = [p.on.sample_ms for p in pairs if p.on.sample_ms is not None]
-    if not samples or control:  # the control: nothing sampled, or the same in both arms
+    if control or intervals["on"] == "0":
+        return claim
+    report.note('"on" blocks during which the worker sampled', f"{len(samples)} of {len(pairs)}")
+    if not samples:
         return claim
     report.stats("a sample in the engine's worker (wall)", summarize(samples))
     report.note("caches in those samples (median)", statistics.median(p.on.sampled_caches for p in pairs))
@@ -358,6 +363,7 @@ def main() -> int:
         "with observation off, or one whose observation runs in both arms",
     )
     parser.add_argument("--same-server", action="store_true", help="one server pausing and resuming its observation")
+    parser.add_argument("--interval", default=ON_INTERVAL, help="KV_EXPORTER_OBSERVE_INTERVAL with observation on")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     if not VLLM_PYTHON.exists():
@@ -373,7 +379,8 @@ def main() -> int:
     blocks = f"{args.waves} x {MAX_NUM_SEQS} completions x {args.tokens} tokens"
     report.note("pairs", f"{args.pairs} comparable wanted, {args.most} at most; a block: {blocks}")
     block_size = (args.waves, args.tokens)
-    ratio = measure(report, args.pairs, args.most, block_size, args.control, args.same_server, ON_INTERVAL)
+    report.note("observation interval when on", f"{args.interval} s")
+    ratio = measure(report, args.pairs, args.most, block_size, args.control, args.same_server, args.interval)
     if args.control:
         report.note("control: both arms alike, median of pairs ('on' / 'off')", f"{ratio:.4f}")
         report.finish(args.json_out)

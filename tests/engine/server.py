@@ -74,16 +74,14 @@ class Server(OpenAIServer):
             self.proc.wait(timeout=30)
         return self.exit_code
 
-    def completion(self, prompt: str, max_tokens: int = 16) -> dict[str, Any]:
+    def completion(self, prompt: str | list[str], max_tokens: int = 16) -> dict[str, Any]:
         body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         return self.post_completion(body)
 
     def batched_completion(self, count: int, max_tokens: int) -> dict[str, Any]:
         """One request of `count` prompts: the API server admits them together, so the engine runs them as one batch
         from the first step (separate client threads reach it staggered when the engine keeps the cores busy)."""
-        prompts = [f"The quick brown fox {i}" for i in range(count)]
-        body = {"model": SERVED_NAME, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-        return self.post_json("/v1/completions", body)
+        return self.completion([f"The quick brown fox {i}" for i in range(count)], max_tokens)
 
     def concurrent_completions(self, count: int, max_tokens: int) -> list[dict[str, Any]]:
         results: list[dict[str, Any] | BaseException] = [RuntimeError("not run")] * count

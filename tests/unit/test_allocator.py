@@ -37,18 +37,15 @@ def fragment_a_thread_heap() -> list[bytes]:
     return kept
 
 
-def test_free_blocks_below_live_ones_are_handed_back() -> None:
+def test_free_blocks_below_live_ones_are_handed_back_past_the_slack_only() -> None:
     return_free_memory(0)
     kept = fragment_a_thread_heap()
     free, resident = free_heap_bytes(), resident_bytes()
     assert free is not None and free > 20 * MIB  # freed, yet still the allocator's
-    assert return_free_memory() is True  # still free, but no longer resident:
+    # Under the slack: kept for reuse. (`free` counts free memory, resident or not: in a long test run it may hold
+    # more than this test freed, so the slack is set from it.)
+    assert return_free_memory(free + FREE_SLACK_BYTES) is False
+    assert resident - resident_bytes() < 2 * MIB, "nothing was handed back"
+    assert return_free_memory() is True  # past it: still free, but no longer resident
     assert resident - resident_bytes() > 16 * MIB, "the free blocks went back to the system"
     assert len(kept) == -(-BLOCKS // KEEP_EVERY)  # the live blocks survive it
-
-
-def test_under_the_slack_nothing_is_trimmed() -> None:
-    return_free_memory(0)
-    free = free_heap_bytes()
-    assert free is not None and free < FREE_SLACK_BYTES
-    assert return_free_memory() is False

@@ -71,11 +71,11 @@ class KvxRequestsCPUModelRunner(CPUModelRunner):
 
 
 class KvxRequestsCPUWorker(cpu_worker.CPUWorker):
+    _kvx_on_sample: Callable[[Observation], None] | None = None  # the hook's, while kvx_observation pauses it
+
     def init_device(self) -> None:
         with builds(KvxRequestsCPUModelRunner):
             super().init_device()
-
-    _kvx_on_sample: Callable[[Observation], None] | None = None
 
     def kvx_observation(self, state: str) -> str:
         """ "paused": the sampler stopped and new caches untracked, as near observation off as a process that has
