@@ -74,7 +74,7 @@ cannot blur.
 """
 
 SAME_SERVER_METHOD = f"""
---same-server: one such server, observation on (KV_EXPORTER_OBSERVE_INTERVAL=1), whose test worker pauses and
+--same-server: one such server, observation on (every --interval seconds), whose test worker pauses and
 resumes it between blocks through vLLM's dev-mode /collective_rpc (VLLM_SERVER_DEV_MODE=1): "off" blocks run with
 the sampler thread stopped and new caches untracked (the cache class keeps its patched __new__, which then tracks
 nowhere: the only difference left from observation off), "on" blocks with both back. One process, so the ~10%
