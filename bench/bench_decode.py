@@ -59,7 +59,7 @@ sleeps (vLLM's workers wait on a socket once idle). Blocks alternate in pairs, o
 waves of one completion request of {MAX_NUM_SEQS} prompts, T tokens each (ignore_eos, short prompts), decode-bound
 with {MAX_NUM_SEQS} sequences per step from the first (as {MAX_NUM_SEQS} separate requests from client threads, the
 requests often reached a server that kept both cores busy one by one, and blocks ran 1 to 8 sequences a step:
-575 to 3,800 tokens/s). Two phases, each with two fresh servers: the first starts "on" first, the second
+575 to 3,976 tokens/s). Two phases, each with two fresh servers: the first starts "on" first, the second
 "off" first (two servers both "off" differed by ~10% in a trial, the first started being the slower).
 This machine is shared: during each block, the CPU other processes used (/proc/stat, steal included, less both
 servers' process groups and this client) is measured, and a pair counts only where that load differed by at most
