@@ -6,7 +6,7 @@ from the repository root, as every benchmark module. Each benchmark is a standal
 its figures (median, p90, p99, min-max) and the ratio against its baseline measured in the same run; this runner
 streams that output, collects each module's checks (`--json-out`) and prints the summary. A miss is a finding, not
 a failure: the exit status is 0 when every benchmark ran (1 with --strict when a target was missed), 2 when one
-could not run. The decode benchmarks each start real vLLM engines (.venv-vllm) and take about 3 minutes: they run
+could not run. The decode benchmarks each start real vLLM engines (.venv-vllm) and take about 10 minutes: they run
 with --engine, or when --only names them.
 """
 
