@@ -204,6 +204,12 @@ def alternate(comparable: int, most: int, run: Callable[[str], Block]) -> list[P
     return pairs
 
 
+def start(workdir: Path, model: Path, interval: str, **env: str) -> Server:
+    """A server of the observed architecture sampling every `interval` seconds (0: observation off)."""
+    env = {"KV_EXPORTER_OBSERVE_INTERVAL": interval, "KVX_TEST_REPORT_DIR": "", **env}  # no held record
+    return start_server(workdir, model, env=env, args=["--worker-cls", WORKER])
+
+
 @dataclass(frozen=True)
 class Phase:
     pairs: list[Pair]
@@ -223,8 +229,7 @@ def phase(
     servers: dict[str, Server] = {}
     try:
         for name in order:
-            env = {"KV_EXPORTER_OBSERVE_INTERVAL": intervals[name], "KVX_TEST_REPORT_DIR": ""}  # no held record
-            servers[name] = start_server(workdir / name, model, env=env, args=["--worker-cls", WORKER])
+            servers[name] = start(workdir / name, model, intervals[name])
         for server in servers.values():
             server.wait_ready()
         machine = Machine(servers)
@@ -252,8 +257,7 @@ def same_server_phase(
 ) -> Phase:
     """One server, observation on; before each block its worker is set to that arm's state; stopped, pass or fail."""
     waves, tokens = block_size
-    env = {"KV_EXPORTER_OBSERVE_INTERVAL": interval, "KVX_TEST_REPORT_DIR": "", "VLLM_SERVER_DEV_MODE": "1"}
-    server = start_server(workdir, model, env=env, args=["--worker-cls", WORKER])
+    server = start(workdir, model, interval, VLLM_SERVER_DEV_MODE="1")  # /collective_rpc
     try:
         server.wait_ready()
         machine = Machine({"on": server})
@@ -287,18 +291,19 @@ def measure(
     pairs: list[Pair] = []
     intervals = CONTROL_INTERVALS if control else {"on": interval, "off": "0"}
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(Path(tmp) / "model", architecture=g.OBSERVED_ARCHITECTURE)
+        workdir = Path(tmp)
+        model = build_model(workdir / "model", architecture=g.OBSERVED_ARCHITECTURE)
         phases: list[tuple[str, Callable[[], Phase]]]
         if same_server:
             states = CONTROL_STATES if control else SAME_SERVER_STATES
-            one = functools.partial(same_server_phase, Path(tmp) / "phase-0", model, (comparable, most))
-            phases = [("one server", functools.partial(one, block_size, states, interval))]
+            run_one = functools.partial(same_server_phase, workdir / "phase-0", model, (comparable, most))
+            phases = [("one server", lambda: run_one(block_size, states, interval))]
         else:
             per_phase = (comparable // len(ORDERS), most // len(ORDERS))
             phases = [
                 (
                     f"started {' then '.join(order)}",
-                    functools.partial(phase, Path(tmp) / f"phase-{i}", model, order, per_phase, block_size, intervals),
+                    functools.partial(phase, workdir / f"phase-{i}", model, order, per_phase, block_size, intervals),
                 )
                 for i, order in enumerate(ORDERS)
             ]

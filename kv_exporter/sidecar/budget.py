@@ -17,6 +17,7 @@ on the files and the pages, so the same ones stay out scrape after scrape.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -151,22 +152,19 @@ def _age(entry: ManifestEntry) -> tuple[float, str]:
     return (entry.manifest.written_at if entry.manifest else 0.0, entry.path)
 
 
-def _prefix(budget: _Budget, items: Sequence[object], costs: Iterable[Cost]) -> int:
-    """How many of `items` fit, from the first, until one does not."""
-    for i, cost in enumerate(costs):
-        if not budget.take(cost):
-            return i
-    return len(items)
+def _fitting(budget: _Budget, costs: Iterable[Cost]) -> int:
+    """How many of `costs` the budget takes, from the first, until one does not fit."""
+    return sum(1 for _ in itertools.takewhile(budget.take, costs))
 
 
 def limit_series(entries: Sequence[ManifestEntry], page_keys: Collection[EngineKey], cap: SeriesCap) -> Limited:
     """The live manifests, then the engines among `page_keys` that no live manifest declares, under `cap`."""
     budget = _Budget(cap)
     live = sorted((e for e in entries if e.live and e.manifest is not None), key=_age)
-    fit = _prefix(budget, live, (manifest_cost(e.manifest) for e in live if e.manifest))
+    fit = _fitting(budget, (manifest_cost(e.manifest) for e in live if e.manifest))
     kept, dropped = live[:fit], live[fit:]
     # An engine whose manifests were left out is left out with them, not shown as one that declares nothing.
     declared = {engine_key(e.manifest) for e in live if e.manifest}
     only_paged = sorted(set(page_keys) - declared)
-    shown = _prefix(budget, only_paged, map(page_engine_cost, only_paged))
+    shown = _fitting(budget, map(page_engine_cost, only_paged))
     return Limited(kept, dropped, frozenset(only_paged[:shown]), len(only_paged) - shown)

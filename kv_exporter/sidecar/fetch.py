@@ -47,7 +47,8 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 
 
 class FetchError(Exception):
-    """The page could not be fetched. `reason` is one of FETCH_ERROR_REASONS."""
+    """The page could not be fetched. `reason` is one of FETCH_ERROR_REASONS; `detail` is raw (EnginePageError, which
+    carries it to pages and logs, makes it printable and short)."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -72,7 +73,7 @@ def get(url: str, headers: Mapping[str, str], timeout_s: float, max_body: int) -
     except ConnectionError as exc:
         raise conn.closed(f"{type(exc).__name__}: {exc}") from None
     except OSError as exc:
-        raise FetchError(UNREACHABLE, f"{type(exc).__name__}: {exc}"[:200]) from None
+        raise FetchError(UNREACHABLE, f"{type(exc).__name__}: {exc}") from None
     finally:
         conn.close()
 
@@ -181,7 +182,7 @@ def _final_head(conn: _Connection) -> tuple[bytes, Fields]:
         if 100 <= status <= 199 and status != 101:
             continue  # an interim answer (100 Continue, 103 Early Hints): no body, the real one follows
         if status != 200:
-            raise FetchError(HTTP_STATUS, f"HTTP {status} {phrase.decode('latin-1')}"[:200])
+            raise FetchError(HTTP_STATUS, f"HTTP {status} {phrase.decode('latin-1')}")
         return version, fields
     raise FetchError(BAD_RESPONSE, f"more than {MAX_INTERIM_ANSWERS} interim 1xx answers")
 

@@ -47,10 +47,6 @@ FAULTS = (
     "two_lengths",  # two Content-Length headers that disagree
 )
 REFUSED = "refused"
-WAITING = frozenset(  # answered on a thread of their own
-    {"slow", "hang", "trickle", "huge", "huge_streamed", "trickle_status", "trickle_headers", "interim"}
-    | {"trickle_chunked"}
-)
 SLOW_S = 2.0
 HANG_S = 60.0  # past any sidecar timeout; cut short when the fault changes or the engine stops
 TRICKLE_CHUNK, TRICKLE_S = 1000, 0.12  # vLLM's 51 KB page takes ~6 s
@@ -198,6 +194,8 @@ _ENDLESS = {
     "interim": _endless(_CONTINUE, _CONTINUE, INTERIM_S),
     "trickle_chunked": _endless(_OK_11 + b"Transfer-Encoding: chunked\r\n\r\n10;x", b"x", TRICKLE_S),
 }
+# Answered on a thread of their own.
+WAITING = frozenset({"slow", "hang", "trickle", "huge", "huge_streamed", *_ENDLESS})
 
 
 def _chunked(page: bytes) -> bytes:

@@ -17,18 +17,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kv_exporter.manifest import write_manifest
-from tests.support.constants import SIMULATE_GPU
 from tests.support.manifests import live_manifest
 from tests.support.scrape import manifest_states, pick
-from tests.support.sidecar import Sidecar, sidecar
+from tests.support.sidecar import Sidecar, serve_args, sidecar
 
 SCRAPE_TIMEOUT_S = 10.0  # a scrape that blocks on a FIFO never answers: the client gives up, the test fails
 RACING_SCRAPES = 100
 CHURN = 200  # files coming and going (with 100 scrapes, today's main counted ~5 of them as unreadable)
-
-
-def serve_args(folder: Path) -> tuple[str, ...]:
-    return ("--manifest-dir", str(folder), *SIMULATE_GPU)
 
 
 def errors_counted(sc: Sidecar) -> dict[str, float]:

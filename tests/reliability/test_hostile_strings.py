@@ -17,7 +17,7 @@ from kv_exporter.sidecar.simulated_engine import SimulatedEngine, vllm_page
 from tests.support.constants import SIMULATE_GPU
 from tests.support.manifests import MODEL, live_manifest
 from tests.support.scrape import declared_models, manifest_states, parse, pick
-from tests.support.sidecar import run_command, sidecar
+from tests.support.sidecar import run_command, serve_args, sidecar
 
 CONTROL = tuple(chr(c) for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(c) not in "\n")
 
@@ -43,7 +43,7 @@ def odd_folder(folder: Path) -> None:
 def test_names_and_keys_that_are_not_text_never_break_a_page(tmp_path: Path) -> None:
     folder = tmp_path / "m"
     odd_folder(folder)
-    with sidecar(tmp_path, "--manifest-dir", str(folder), *SIMULATE_GPU) as sc:
+    with sidecar(tmp_path, *serve_args(folder)) as sc:
         for _ in range(2):
             s = sc.samples()
             assert manifest_states(s) == (2, 0, 1)

@@ -32,7 +32,7 @@ from tests.support.constants import SIMULATE_GPU
 from tests.support.manifests import MODEL, huge_manifest, live_manifest, reference_manifest
 from tests.support.pages import vllm_page_with
 from tests.support.scrape import declared_models, manifest_states, parse, pick
-from tests.support.sidecar import sidecar
+from tests.support.sidecar import serve_args, sidecar
 
 LABEL_VALUE = re.compile(rb'="((?:[^"\\]|\\.)*)"')  # a label value as the page writes it
 
@@ -162,7 +162,7 @@ def test_a_folder_of_files_just_under_the_size_cap_keeps_the_page_small(tmp_path
         assert 0.9 * DEFAULT_LIMITS.max_bytes < size < DEFAULT_LIMITS.max_bytes, size
     cost = manifest_cost(manifests[0])
     kept = DEFAULT_MAX_LABEL_BYTES // cost.label_bytes
-    with sidecar(tmp_path, "--manifest-dir", str(folder), *SIMULATE_GPU) as sc:
+    with sidecar(tmp_path, *serve_args(folder)) as sc:
         for _ in range(2):
             status, _, body = sc.get()
             assert status == 200

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kv_exporter.manifest import Manifest, manifest_filename, write_manifest
-from tests.support.constants import GPU_USED, SIMULATE_GPU
+from tests.support.constants import GPU_USED
 from tests.support.manifests import MODEL, ceiling_bytes, live_manifest
 from tests.support.scrape import Samples, absent, manifest_states, pick, total
-from tests.support.sidecar import Sidecar, sidecar
+from tests.support.sidecar import Sidecar, serve_args, sidecar
 
 ERRORS = "model_local_kv_manifest_errors_total"
 SCRAPES = 3
@@ -34,10 +34,6 @@ def assert_folder_unreadable(s: Samples, outages: int) -> None:
     assert absent(s, "model_local_kv_ceiling_bytes")
     # Nothing declared is known: the projection is NVML's used figure alone (see docs/reliability.md).
     assert pick(s, "model_local_kv_gpu_projected_peak_bytes") == GPU_USED
-
-
-def serve_args(folder: Path) -> tuple[str, ...]:
-    return ("--manifest-dir", str(folder), *SIMULATE_GPU)
 
 
 def test_folder_missing_at_start_then_created(tmp_path: Path) -> None:

@@ -10,10 +10,9 @@ from pathlib import Path
 from kv_exporter.manifest import manifest_filename, write_manifest
 from kv_exporter.reference import MINICPM_O
 from kv_exporter.sidecar.budget import DEFAULT_MAX_LABEL_BYTES, DEFAULT_MAX_SERIES, Cost, manifest_cost
-from tests.support.constants import SIMULATE_GPU
 from tests.support.manifests import live_manifest
 from tests.support.scrape import Samples, manifest_states, pick
-from tests.support.sidecar import Sidecar, sidecar
+from tests.support.sidecar import Sidecar, serve_args, sidecar
 
 FILES = 10_000
 FIRST_SCRAPE_S = 30.0  # parses every file once: measured ~4 s here; a generous bound for a busy machine
@@ -56,7 +55,7 @@ def test_ten_thousand_valid_manifests(tmp_path: Path) -> None:
     cost = write_engines(folder, FILES)
     kept = min(DEFAULT_MAX_SERIES // cost.series, DEFAULT_MAX_LABEL_BYTES // cost.label_bytes)
     assert kept == DEFAULT_MAX_SERIES // cost.series < FILES  # the default cap is reached: ~50,000 series, not ~90,000
-    with sidecar(tmp_path, "--manifest-dir", str(folder), *SIMULATE_GPU) as sc:
+    with sidecar(tmp_path, *serve_args(folder)) as sc:
         scrapes, first, later = three_scrapes(sc)
         for s in scrapes:
             assert manifest_states(s) == (FILES, 0, 0)
@@ -76,7 +75,7 @@ def test_ten_thousand_bad_and_stray_files(tmp_path: Path) -> None:
     for i in range(FILES // 2):
         (folder / f"broken-{i:05d}.json").write_text('{"schema_version": 1, ')
         (folder / f"stray-{i:05d}.txt").write_text("not a manifest name: never read\n")
-    with sidecar(tmp_path, "--manifest-dir", str(folder), *SIMULATE_GPU) as sc:
+    with sidecar(tmp_path, *serve_args(folder)) as sc:
         scrapes, first, later = three_scrapes(sc)
         for s in scrapes:
             assert manifest_states(s) == (1, 0, FILES // 2)

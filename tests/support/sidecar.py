@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.support.constants import REPO
+from tests.support.constants import REPO, SIMULATE_GPU
 from tests.support.net import Headers, get
 from tests.support.scrape import Samples, parse
 
@@ -46,6 +46,11 @@ def stop_process(process: subprocess.Popen[Any], sig: int = signal.SIGTERM, grac
         os.kill(process.pid, signal.SIGKILL)
         process.wait(10)
         return None
+
+
+def serve_args(folder: Path) -> tuple[str, ...]:
+    """`serve` on the manifest folder `folder`, with a simulated GPU and no engine page: the usual fault test."""
+    return ("--manifest-dir", str(folder), *SIMULATE_GPU)
 
 
 def with_prelude(code: str) -> tuple[str, ...]:
