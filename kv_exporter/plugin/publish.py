@@ -155,6 +155,12 @@ class _Published:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.manifests: dict[Path, Manifest] = {}
+        # A child forked while the sampler held the lock would inherit it held, by a thread it does not have, and its
+        # first publish would wait for ever (compile workers, a model-registry subprocess).
+        os.register_at_fork(after_in_child=self._fresh_lock)
+
+    def _fresh_lock(self) -> None:
+        self.lock = threading.Lock()
 
     def observed(self, observation: Observation) -> None:
         with self.lock:

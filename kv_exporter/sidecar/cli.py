@@ -5,11 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import re
-import signal
 import sys
-import threading
 from collections.abc import Sequence
-from types import FrameType
 from typing import Any
 
 from kv_exporter.manifest import DEFAULT_LIMITS, DEFAULT_MANIFEST_DIR
@@ -20,10 +17,14 @@ from kv_exporter.sidecar.connection import DEFAULT_MAX_CONNECTIONS, Limits
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
 from kv_exporter.sidecar.http import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
 from kv_exporter.sidecar.logs import FORMATS, LEVELS, setup_logging
+from kv_exporter.sidecar.stopping import StopRequest
 
 log = logging.getLogger("kv_exporter")
 
 SHUTDOWN_MARGIN_S = 5.0  # beyond the engine timeout, for reading manifests and rendering a scrape
+# Beyond that grace, what closing the collection and the process takes; past it the stop watchdog ends the process.
+STOP_MARGIN_S = 5.0
+DEMO_STOP_BOUND_S = 10.0  # the demo's threads stop within ~1 s; its engines' join waits 5 s at most
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 _FACTORS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
@@ -265,22 +266,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM."""
-    stop = threading.Event()
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not stop.wait(3600):
-            pass
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     from kv_exporter.gpu import GpuReader, NvmlReader, SimulatedGpu
     from kv_exporter.manifest import ManifestLimits
@@ -288,6 +273,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from kv_exporter.sidecar.collection import Collection, CollectionSettings
     from kv_exporter.sidecar.http import serve_in_thread, server_url
 
+    grace_s = args.engine_timeout + SHUTDOWN_MARGIN_S
+    stop = StopRequest.install(bound_s=grace_s + STOP_MARGIN_S)
     keep_large_blocks_returnable()
     reader: GpuReader | None = None
     if args.simulate_gpu:
@@ -315,14 +302,15 @@ def run_serve(args: argparse.Namespace) -> int:
     log.info("serving %s%s (manifests in %s, %d engine page(s))", server_url(server), args.telemetry_path,
              args.manifest_dir, len(settings.targets))  # fmt: skip
     try:
-        _wait_for_signal()
+        stop.wait()
     finally:
         # A scrape in progress waits for its engine pages (at most the engine timeout), then renders.
-        if not server.stop(grace_s=args.engine_timeout + SHUTDOWN_MARGIN_S):
+        if not server.stop(grace_s=grace_s):
             log.warning("stopped with a scrape still being answered")
         collection.close()
         if isinstance(reader, NvmlReader):
             reader.close()
+        stop.finished()
     return 0
 
 
@@ -343,6 +331,7 @@ def _listen(args: argparse.Namespace, app: ExporterApp) -> ExporterServer:
 def run_demo(args: argparse.Namespace) -> int:
     from kv_exporter.sidecar.demo import describe, start_demo
 
+    stop = StopRequest.install(bound_s=DEMO_STOP_BOUND_S)
     try:
         demo = start_demo(args.listen_address, args.telemetry_path)
     except OSError as exc:
@@ -350,9 +339,10 @@ def run_demo(args: argparse.Namespace) -> int:
         return 1
     print(describe(demo), flush=True)
     try:
-        _wait_for_signal()
+        stop.wait()
     finally:
         demo.close()
+        stop.finished()
     return 0
 
 

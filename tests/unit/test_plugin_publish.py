@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -355,3 +356,28 @@ def test_a_forked_child_removes_nothing(tmp_path: Path) -> None:
         os._exit(0)
     os.waitpid(child, 0)
     assert path.exists()
+
+
+def test_a_child_forked_while_the_sampler_writes_can_still_publish() -> None:
+    """The sampler's thread holds the publish lock while it rewrites the manifests; a child forked then (a compile
+    worker) has no such thread, so an inherited held lock would make its first publish wait for ever."""
+    published = publish_module._Published()  # its own instance: the module's may be in use by other tests
+    held, release = threading.Event(), threading.Event()
+
+    def sampler_writing() -> None:
+        with published.lock:
+            held.set()
+            release.wait(10)
+
+    writer = threading.Thread(target=sampler_writing)
+    writer.start()
+    held.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: take the lock as publish does, or say it could not
+            os._exit(0 if published.lock.acquire(timeout=2) else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        writer.join(10)
+    assert os.waitstatus_to_exitcode(status) == 0
