@@ -3,6 +3,9 @@
 - dashboards/kv-exporter.json and its Kubernetes copy, from dashboards/build.py
 - deploy/kubernetes/base/prometheusrule.yaml, from deploy/prometheus/kv-exporter.rules.yml
 - kv_exporter/schema/manifest-v<N>.schema.json, one per version the reader accepts, from the manifest's dataclasses
+
+`--runbook-base URL` first points every alert's `runbook_url` (in the rule file and its promtool tests) at another
+copy of docs/alerts.md, a wiki of your own say, then generates as usual.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -25,6 +29,11 @@ DASHBOARD = ROOT / "dashboards/kv-exporter.json"
 K8S_BASE = ROOT / "deploy/kubernetes/base"
 K8S_DASHBOARD = K8S_BASE / "grafana-dashboard.json"
 K8S_RULE = K8S_BASE / "prometheusrule.yaml"
+# The files whose runbook_url annotations `--runbook-base` rewrites: the rules and the tests that render them.
+RUNBOOK_FILES = [RULES, *sorted(RULES.parent.glob("*.test.yml"))]
+# Where the shipped runbooks live (docs/alerts.md, "Runbook links"); each alert's anchor is its name, lowercased.
+RUNBOOK_BASE = "https://github.com/kv-exporter/kv-exporter/blob/main/docs/alerts.md"
+RUNBOOK_URL = re.compile(r"^(\s*runbook_url: )\S+?(#[a-z0-9]+)$", re.M)
 
 # kube-prometheus-stack's Prometheus selects rules by its Helm release name (ruleSelector); see deploy/README.md.
 RULE_LABELS = {"release": "kube-prometheus-stack", "role": "alert-rules"}
@@ -51,6 +60,11 @@ def prometheus_rule() -> str:
     return HEADER + str(yaml.safe_dump(resource, sort_keys=False, width=4096, allow_unicode=True))
 
 
+def rebase_runbooks(text: str, base: str) -> str:
+    """`text` with every runbook_url pointing at the same anchor under `base`."""
+    return RUNBOOK_URL.sub(lambda m: f"{m.group(1)}{base.rstrip('/')}{m.group(2)}", text)
+
+
 def outputs() -> dict[Path, str]:
     board = load_dashboard_builder().render()
     schemas = {schema_path(v): json.dumps(manifest_schema(v), indent=2) + "\n" for v in SCHEMA_VERSIONS}
@@ -60,7 +74,11 @@ def outputs() -> dict[Path, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--check", action="store_true", help="fail if a generated file differs")
+    parser.add_argument("--runbook-base", metavar="URL", help="point runbook_url annotations at this docs/alerts.md")
     args = parser.parse_args(argv)
+    if args.runbook_base:
+        for path in RUNBOOK_FILES:
+            path.write_text(rebase_runbooks(path.read_text(), args.runbook_base))
     stale = []
     for path, text in outputs().items():
         current = path.read_text() if path.exists() else None
