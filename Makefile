@@ -8,10 +8,15 @@ STAMP  := $(VENV)/.installed
 DEMO_VENV  := .venv-demo
 DEMO_STAMP := $(DEMO_VENV)/.installed
 DEMO_ARGS  ?=
+# The torch-free test tier's environment: the package (nvml and web extras) and requirements-unit.txt, no torch,
+# transformers or vLLM, so `make unit` runs tests/unit and tests/golden about a minute after a fresh clone.
+UNIT_VENV  := .venv-unit
+UNIT_STAMP := $(UNIT_VENV)/.installed
+UNIT_TESTS := tests/unit tests/golden
 
 .PHONY: demo test lint unit engine-env omni-env fuzz-env system-deps bench fuzz gpu-proof clean
 
-$(STAMP): pyproject.toml requirements-dev.txt
+$(STAMP): pyproject.toml requirements-dev.txt requirements-unit.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[nvml,web]' -r requirements-dev.txt
@@ -21,6 +26,15 @@ $(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(DEMO_VENV)
 	$(DEMO_VENV)/bin/python -m pip install -q --disable-pip-version-check -e .
 	touch $(DEMO_STAMP)
+
+$(UNIT_STAMP): pyproject.toml requirements-unit.txt
+	$(PYTHON) -m venv $(UNIT_VENV)
+	$(UNIT_VENV)/bin/python -m pip install -q --disable-pip-version-check -e '.[nvml,web]' -r requirements-unit.txt
+	touch $(UNIT_STAMP)
+
+# The torch-free tier (tests/unit, tests/golden); the tests needing torch and transformers are in tests/torch.
+unit: $(UNIT_STAMP)
+	$(UNIT_VENV)/bin/python -m pytest -q $(UNIT_TESTS)
 
 demo: $(DEMO_STAMP)
 	$(DEMO_VENV)/bin/kv-exporter demo $(DEMO_ARGS)

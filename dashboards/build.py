@@ -35,10 +35,12 @@ SCHEMA_VERSION = 39
 Scope = tuple[str, ...]
 HOST: Scope = ("job", "instance")
 GPU: Scope = (*HOST, "gpu")
-ENGINE: Scope = (*HOST, "model_name", "stage", "engine")
+# The worker's pod: two pods of one model on one node (the DaemonSet layout) are two engines to the panels.
+ENGINE: Scope = (*HOST, "namespace", "pod", "model_name", "stage", "engine")
 DECLARATION: Scope = (*ENGINE, "gpu")
-# Labels that identify one declaration series (CONTRACTS.md), used to join the info metric's text labels.
-DECL_KEY = "job, instance, model_name, stage, engine, owner, cache, scope, driver, gpu, UUID"
+# Labels that identify one engine, and one declaration series (CONTRACTS.md), for `on (...)` matches.
+ENGINE_KEY = "job, instance, namespace, pod, model_name, stage, engine"
+DECL_KEY = "job, instance, namespace, pod, container, model_name, stage, engine, owner, cache, scope, driver, gpu, UUID"
 DECL_INFO = "dtype, capacity_source, rows_fixed, rows_reason, allocation_note"
 
 Panel = Any  # an SDK panel builder (timeseries.Panel, stat.Panel, table.Panel)
@@ -81,6 +83,9 @@ def chained(name: str, label: str, metric: str, parents: Scope, help_text: str) 
 # Every exporter exports its build info, and every engine it knows has a manifest count (0 when undeclared).
 EXPORTERS = "model_local_kv_exporter_build_info"
 ENGINES = "model_local_kv_engine_manifests"
+# Every worker's pod is on its declarations: an engine's own series carry only its first rank's (two pods of one
+# model on one node are one engine to the exporter, two pods here).
+DECLARED = "model_local_kv_declaration_info"
 
 
 def variables() -> list[Any]:
@@ -88,13 +93,15 @@ def variables() -> list[Any]:
         dash.DatasourceVariable("datasource").label("Data source").type("prometheus"),
         chained("job", "Job", EXPORTERS, (), "Prometheus scrape job of the kv-exporter sidecars"),
         chained("instance", "Instance", EXPORTERS, ("job",), "A kv-exporter sidecar (host:port Prometheus scrapes)"),
-        chained("model_name", "Model", ENGINES, HOST, "vLLM's served model name"),
-        chained("stage", "Stage", ENGINES, (*HOST, "model_name"), "vllm-omni stage id (0 for plain vLLM)"),
+        chained("namespace", "Namespace", DECLARED, HOST, "Kubernetes namespace of the engine's pod"),
+        chained("pod", "Pod", DECLARED, (*HOST, "namespace"), "The engine's pod (kube-state-metrics' pod label)"),
+        chained("model_name", "Model", ENGINES, ENGINE[:4], "vLLM's served model name"),
+        chained("stage", "Stage", ENGINES, ENGINE[:5], "vllm-omni stage id (0 for plain vLLM)"),
         chained(
             "engine",
             "Engine",
             ENGINES,
-            (*HOST, "model_name", "stage"),
+            ENGINE[:6],
             "vLLM's data-parallel engine index (vllm-omni's replica)",
         ),
         chained("gpu", "GPU", "model_local_kv_gpu_memory_total_bytes", HOST, "GPU index as NVML reports it"),
@@ -127,8 +134,8 @@ def graph(title: str, description: str, unit: str, targets: list[prom.Dataquery]
     return panel
 
 
-OWNER_KEY = "instance, model_name, stage, engine, owner, cache"
-OWNER_LEGEND = "{{instance}} · {{model_name}} s{{stage}} e{{engine}} · {{owner}} / {{cache}}"
+OWNER_KEY = "instance, namespace, pod, model_name, stage, engine, owner, cache"
+OWNER_LEGEND = "{{instance}} {{pod}} · {{model_name}} s{{stage}} e{{engine}} · {{owner}} / {{cache}}"
 
 
 def by_owner(title: str, description: str, metric: str) -> timeseries.Panel:
@@ -182,7 +189,7 @@ def up_stat(title: str, description: str, expr: str, legend: str) -> stat.Panel:
 
 
 GPU_LEGEND = "{{instance}} · GPU {{gpu}}"
-ENGINE_LEGEND = "{{instance}} · {{model_name}} s{{stage}} e{{engine}}"
+ENGINE_LEGEND = "{{instance}} {{pod}} · {{model_name}} s{{stage}} e{{engine}}"
 DASHED = [model.DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]})]
 
 
@@ -238,8 +245,8 @@ def kv_row() -> list[Panel]:
     return [ceiling.height(9).span(12), estimate.height(9).span(12)]
 
 
-OBSERVED_KEY = "instance, model_name, stage, engine, owner"
-OBSERVED_LEGEND = "{{instance}} · {{model_name}} s{{stage}} e{{engine}} · {{owner}}"
+OBSERVED_KEY = "instance, namespace, pod, model_name, stage, engine, owner"
+OBSERVED_LEGEND = "{{instance}} {{pod}} · {{model_name}} s{{stage}} e{{engine}} · {{owner}}"
 
 
 def observed_row() -> list[Panel]:
@@ -270,10 +277,20 @@ def observed_row() -> list[Panel]:
         "Observation per engine",
         "The engine's observation state: ok, off, unavailable, failing, stale, absent or rejected.",
         "none",
-        f"{sel('model_local_kv_observation_state', ENGINE)} == 1",
+        f"{on_gpus('model_local_kv_observation_state')} == 1",
         f"{ENGINE_LEGEND} · {{{{state}}}}",
     )
     return [beside.height(9).span(12), unexplained.height(9).span(12), state.height(5).span(24)]
+
+
+def on_gpus(metric: str) -> str:
+    """A per-engine family (it has no `gpu` label) following the GPU selection: every engine but those whose
+    declarations all sit on GPUs not selected. With All nothing is left out, and neither is an engine declaring
+    nothing (no GPU to select it by: an engine that runs without manifests must stay visible)."""
+    info = DECLARED
+    elsewhere = f'{sel(info, ENGINE)[:-1]}, gpu!~"$gpu"}}'
+    only_elsewhere = f"({elsewhere} unless on ({ENGINE_KEY}) {sel(info, DECLARATION)})"
+    return f"{sel(metric, ENGINE)} unless on ({ENGINE_KEY}) {only_elsewhere}"
 
 
 def engine_row() -> list[Panel]:
@@ -282,21 +299,21 @@ def engine_row() -> list[Panel]:
         "The engine's running count as read from its metrics page, against its configured max_num_seqs.",
         "none",
         [
-            query(sel("model_local_kv_running_sequences", ENGINE), f"running · {ENGINE_LEGEND}", "A"),
-            query(sel("model_local_kv_max_num_seqs", ENGINE), f"max_num_seqs · {ENGINE_LEGEND}", "B"),
+            query(on_gpus("model_local_kv_running_sequences"), f"running · {ENGINE_LEGEND}", "A"),
+            query(on_gpus("model_local_kv_max_num_seqs"), f"max_num_seqs · {ENGINE_LEGEND}", "B"),
         ],
     ).override_by_regexp("^max_num_seqs.*", DASHED)
     engine_up = up_stat(
         "Engine running count readable",
         "1 when a metrics page reports this engine's running count.",
-        sel("model_local_kv_engine_up", ENGINE),
+        on_gpus("model_local_kv_engine_up"),
         ENGINE_LEGEND,
     )
     manifests = single(
         "Manifests per engine",
         "Valid manifests matched to the engine; 0 for an engine on a page that no manifest declares.",
         "none",
-        sel(ENGINES, ENGINE),
+        on_gpus(ENGINES),
         ENGINE_LEGEND,
     ).thresholds(thresholds((None, "red"), (1, "green")))
     return [running.height(8).span(12), engine_up.height(8).span(6), manifests.height(8).span(6)]
@@ -304,7 +321,7 @@ def engine_row() -> list[Panel]:
 
 def joined(metric: str) -> str:
     """`metric` carrying the declaration's text labels, so every table query has identical label sets."""
-    info = sel("model_local_kv_declaration_info", DECLARATION)
+    info = sel(DECLARED, DECLARATION)
     return f"{sel(metric, DECLARATION)} * on ({DECL_KEY}) group_left ({DECL_INFO}) {info}"
 
 

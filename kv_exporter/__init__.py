@@ -1,9 +1,10 @@
 """kv-exporter: live metrics for attention KV kept outside vLLM's paged KV manager.
 
-Three rooms: the shared contract at the top (`protocol`, `dtypes`, `manifest`, `procfs`, `gpu`, `filestat`,
-`cachebytes`, `reference`), the engine side in `plugin` (the vLLM general plugin), the sidecar in `sidecar`, with
-the exporter-toolkit web configuration in `web`. Importing this package must stay cheap and must never import torch
-or vllm: the sidecar imports it, and vLLM imports the plugin in every process it starts.
+Four rooms: the shared contract at the top (`protocol`, `dtypes`, `document`, `manifest`, `observation`, `procfs`,
+`printable`, `gpu`, `filestat`, `cachebytes`, `reference`), the engine side in `plugin` (the vLLM general plugin),
+the sidecar in `sidecar`, and the exporter-toolkit web configuration in `web` (docs/CONTRACTS.md). Importing this
+package must stay cheap and must never import torch or vllm: the sidecar imports it, and vLLM imports the plugin in
+every process it starts.
 """
 
 from __future__ import annotations

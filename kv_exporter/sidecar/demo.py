@@ -39,6 +39,7 @@ from kv_exporter.sidecar.app import DEFAULT_TELEMETRY_PATH, ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
 from kv_exporter.sidecar.http import ExporterServer, build_server, serve_in_thread, server_url
+from kv_exporter.sidecar.report import DEMO_BROKEN_MANIFEST
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine, vllm_page
 
 GIB = 1 << 30
@@ -152,9 +153,6 @@ class DemoGpu:
         return self.gpu.process_memory(index)
 
 
-BROKEN_MANIFEST = "broken-example.json"
-
-
 @dataclass
 class Observer:
     """Rewrites each demo manifest with a fresh observation every DEMO_OBSERVE_INTERVAL_S, as the hook's sampler."""
@@ -218,7 +216,7 @@ def start_demo(
     folder = tempfile.mkdtemp(prefix="kv-exporter-demo-")
     observer = Observer(folder, [(engine, demo_manifest(engine, gpu.gpu)) for engine in engines], clock)
     observer.start()
-    with open(os.path.join(folder, BROKEN_MANIFEST), "w") as broken:
+    with open(os.path.join(folder, DEMO_BROKEN_MANIFEST), "w") as broken:
         broken.write('{"schema_version": 1, "truncated": ')  # what a crashed non-atomic writer leaves
     simulated = start_simulated_engines(engines, clock)
     urls = [simulated.url_for(path) for path in simulated.pages]
@@ -242,7 +240,8 @@ def describe(demo: Demo) -> str:
         f"  landing page:  {demo.url}/",
         f"  metrics:       {demo.url}{demo.exporter.app.telemetry_path}",
         f"  health:        {demo.url}/healthz",
-        f"  manifests:     {demo.folder}  (4 reference models + {BROKEN_MANIFEST}, deliberately invalid)",
+        f"  manifests:     {demo.folder}  (4 reference models + {DEMO_BROKEN_MANIFEST}, deliberately invalid)",
+        f"  report:        kv-exporter report {demo.folder}  (exits 1 for the invalid example, as expected)",
         *(f"  engine page:   {u}" for u in demo.engine_urls),
         "Press Ctrl-C to stop.",
     ]

@@ -20,6 +20,9 @@ class GaugeRows(GaugeMetricFamily):
     prometheus_client's `Sample` objects (a label dict each) are built only when something asks for `samples`;
     `Exposition` reads `rows`. On a page of a few hundred declaration
     series, making and re-reading those dicts was a third of the scrape (docs/benchmarks.md, target 1).
+    A label whose value is empty is left out of its series: Prometheus reads an empty label as an absent one, and
+    under `honor_labels` an empty one would delete the target's label of that name (a worker without pod
+    information must not erase the pod and namespace its target carries).
     """
 
     def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
@@ -35,7 +38,10 @@ class GaugeRows(GaugeMetricFamily):
     @property
     def samples(self) -> list[Sample]:
         names = self.label_names
-        return [Sample(self.name, dict(zip(names, labels, strict=True)), value) for labels, value in self.rows]
+        return [
+            Sample(self.name, {k: v for k, v in zip(names, labels, strict=True) if v}, value)
+            for labels, value in self.rows
+        ]
 
     @samples.setter
     def samples(self, value: list[Sample]) -> None:
@@ -109,8 +115,8 @@ class _Page:
         for sample in metric.samples:
             if sample.name != sample_name or sample.timestamp is not None or sample.exemplar is not None:
                 return False
-            if getattr(sample, "native_histogram", None) is not None:
-                return False
+            if getattr(sample, "native_histogram", None) is not None or "" in sample.labels.values():
+                return False  # prometheus_client prints empty labels of other families; only GaugeRows omit them
             rows.append(((tuple(sample.labels), tuple(sample.labels.values())), sample.value))
         return all(self.series(sample_name, names, [(values, value)]) for (names, values), value in rows)
 
@@ -161,10 +167,10 @@ def _header(name: str, documentation: str, kind: str, openmetrics: bool) -> str:
 
 
 def _label_text(names: tuple[str, ...], values: tuple[str, ...]) -> str:
-    """`{a="x",b="y"}` sorted by name (as prometheus_client prints them), values escaped."""
-    if not names:
+    """`{a="x",b="y"}` sorted by name (as prometheus_client prints them), values escaped, empty ones left out."""
+    pairs = sorted((name, value) for name, value in zip(names, values, strict=True) if value)
+    if not pairs:
         return ""
-    pairs = sorted(zip(names, values, strict=True))
     return "{" + ",".join(f'{name}="{_escape_value(value)}"' for name, value in pairs) + "}"
 
 

@@ -8,6 +8,7 @@ its declared ceiling beside the bytes its worker last observed (the sidecar's ow
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -113,6 +114,14 @@ def _observed_lines(report: ObservedReport, live: bool) -> list[str]:
     return [head, *(_aligned(_OBSERVED_HEADERS, cells, numeric={1, 2, 3, 4}) if cells else [])]
 
 
+# The file `kv-exporter demo` writes on purpose, to show how an invalid manifest is reported (sidecar/demo.py).
+DEMO_BROKEN_MANIFEST = "broken-example.json"
+DEMO_BROKEN_NOTE = (
+    f"note: {DEMO_BROKEN_MANIFEST} is the demo's deliberately broken manifest; like any invalid manifest it makes "
+    "this report exit 1, as expected here"
+)
+
+
 def render_text(entries: Sequence[ManifestEntry], max_num_seqs: int | None, folder: str, now: float) -> str:
     out: list[str] = []
     grand = 0
@@ -127,6 +136,8 @@ def render_text(entries: Sequence[ManifestEntry], max_num_seqs: int | None, fold
     invalid = [e for e in entries if e.manifest is None]
     for entry in invalid:
         out.append(f"invalid: {entry.error}")
+    if any(os.path.basename(e.path) == DEMO_BROKEN_MANIFEST for e in invalid):
+        out.append(DEMO_BROKEN_NOTE)
     if not entries:
         out.append(f"no manifests in {printable(folder)}")
     total_line = f"all {len(valid)} manifest(s): {human_bytes(grand)} ({grand} B)"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -143,7 +144,8 @@ def test_every_selector_filters_by_each_variable_its_family_carries(fleet: Fleet
     for title, expr in dashboard_targets():
         for metric, matchers in SELECTOR.findall(expr):
             labels = set(fleet.prometheus.query(f"last_over_time({metric}[1m])")[0]["metric"])
-            missing = [name for name in FILTER_VARIABLES if name in labels and f'{name}=~"${name}"' not in matchers]
+            filtered = {name for name in FILTER_VARIABLES if re.search(rf'{name}[=!]~"\${name}"', matchers)}
+            missing = [name for name in FILTER_VARIABLES if name in labels and name not in filtered]
             if missing:
                 unfiltered.append(f"{title!r}: {metric} not filtered by {missing}")
     assert not unfiltered, "\n".join(unfiltered)

@@ -231,3 +231,66 @@ def test_rendered_yaml_round_trips() -> None:
     """Sanity for the helper: kubectl's YAML parses to the same objects as it prints."""
     docs = kustomize(KUSTOMIZE_ROOTS[0])
     assert yaml.safe_load(yaml.safe_dump(docs[0])) == docs[0]
+
+
+# --- the sidecar component on a Deployment of the user's own, and the monitoring pieces alone -------------------
+
+KUBERNETES = DASHBOARD.parents[1] / "deploy/kubernetes"
+OWN_ENGINE = KUBERNETES / "examples/own-engine"
+MONITORING_ROOT = KUBERNETES / "monitoring"
+ADDED_ENV = {"KV_EXPORTER_DIR", "KV_EXPORTER_POD_NAME", "KV_EXPORTER_POD_NAMESPACE", "KV_EXPORTER_CONTAINER_NAME"}
+
+
+def by_name(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {item["name"]: item for item in items}
+
+
+def test_sidecar_component_adds_the_sidecar_and_nothing_else() -> None:
+    """The user's engine container keeps every field it had and gains only the manifest volume and the four
+    variables; its other containers, the Deployment's selector and a Deployment without the annotation are as
+    the user wrote them; the rendered resources validate and the sidecar is wired as in the base."""
+    (written, router_written) = yaml.safe_load_all((OWN_ENGINE / "engine.yaml").read_text())
+    docs = kustomize(OWN_ENGINE)
+    for doc in docs:
+        validate(doc)
+    assert find(docs, "Deployment", "my-router")[0] == router_written
+    (rendered,) = find(docs, "Deployment", "my-llm")
+    assert rendered["spec"]["selector"] == written["spec"]["selector"]
+    before, after = written["spec"]["template"]["spec"], rendered["spec"]["template"]["spec"]
+    original, now = by_name(before["containers"]), by_name(after["containers"])
+    assert set(now) == {*original, SIDECAR}
+    assert now["auth-proxy"] == original["auth-proxy"]
+    engine, was = copy.deepcopy(now[ENGINE]), original[ENGINE]
+    env, mounts = by_name(engine.pop("env")), by_name(engine.pop("volumeMounts"))
+    assert set(env) == set(by_name(was["env"])) | ADDED_ENV
+    assert all(env[name] == item for name, item in by_name(was["env"]).items())
+    assert set(mounts) == set(by_name(was["volumeMounts"])) | {"kv-manifests"}
+    assert engine == {k: v for k, v in was.items() if k not in ("env", "volumeMounts")}
+    assert by_name(after["volumes"]) == {
+        **by_name(before["volumes"]),
+        "kv-manifests": {"name": "kv-manifests", "emptyDir": {"sizeLimit": "16Mi"}},
+    }
+    # The same wiring checks as every kustomization's.
+    rendered_root = (OWN_ENGINE, docs)
+    for check in (
+        test_sidecar_runs_non_root_read_only_without_claiming_a_gpu,
+        test_engine_and_exporter_share_the_manifest_folder,
+        test_engine_url_points_at_the_engine,
+        test_monitor_scrapes_the_exporter_port,
+        test_every_engine_container_names_its_pod_for_the_manifests,
+    ):
+        check(rendered_root)
+
+
+def test_monitoring_holds_the_rules_the_monitor_and_the_dashboard_only() -> None:
+    docs = kustomize(MONITORING_ROOT)
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "PodMonitor", "PrometheusRule"]
+    for doc in docs:
+        validate(doc)
+    test_prometheusrule_is_the_rules_file((MONITORING_ROOT, docs))
+    test_dashboard_configmap_is_the_dashboard((MONITORING_ROOT, docs))
+    # The same monitor as the component's: applied in one namespace they are one object.
+    (monitor,) = find(docs, "PodMonitor")
+    (component_monitor,) = find(kustomize(OWN_ENGINE), "PodMonitor")
+    monitor["metadata"]["labels"].pop("app.kubernetes.io/part-of")
+    assert monitor == component_monitor

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from deploy.generate import RUNBOOK_BASE, RUNBOOK_FILES, rebase_runbooks
 from kv_exporter.sidecar.thresholds import (
     HEADROOM_ALERT_FRACTION,
     UNEXPLAINED_ALERT_FRACTION,
@@ -155,7 +156,7 @@ def test_alerts_carry_for_severity_and_annotations() -> None:
         name = alert["alert"]
         assert "for" in alert, f"{name}: no `for`"
         assert alert["labels"]["severity"] in SEVERITIES, name
-        for key in ("summary", "description", "runbook"):
+        for key in ("summary", "description", "runbook_url"):
             assert alert["annotations"].get(key, "").strip(), f"{name}: no {key}"
 
 
@@ -193,12 +194,49 @@ def test_runbooks_exist_in_docs() -> None:
     text = ALERTS_DOC.read_text()
     anchors = {_github_anchor(h) for h in re.findall(r"^#+\s+(.+)$", text, flags=re.M)}
     for alert in alerts():
-        path, _, anchor = alert["annotations"]["runbook"].partition("#")
-        assert path == "docs/alerts.md"
-        assert anchor in anchors, f"{alert['alert']}: docs/alerts.md has no section #{anchor}"
-        section = text.split(f"## {alert['alert']}", 1)[-1].split("\n## ", 1)[0]
+        url = alert["annotations"]["runbook_url"]
+        assert url == f"{RUNBOOK_BASE}#{alert['alert'].lower()}", f"{alert['alert']}: {url}"
+        assert url.partition("#")[2] in anchors, f"{alert['alert']}: docs/alerts.md has no section for {url}"
+        section = text.split(f"## {alert['alert']}\n", 1)[-1].split("\n## ", 1)[0]
         for part in ("Meaning", "Impact", "Diagnosis", "Mitigation"):
             assert f"**{part}**" in section, f"{alert['alert']}: runbook lacks {part}"
+    assert f"`{RUNBOOK_BASE}#" in text, "docs/alerts.md must name the shipped runbook base"
+
+
+def test_runbook_base_can_be_changed() -> None:
+    """`--runbook-base` moves every runbook_url, in the rules and in the promtool tests that render them, to one new
+    base with the same anchors, and changes nothing else."""
+    base = "https://wiki.example/ops/kv-exporter"
+    for path in RUNBOOK_FILES:
+        text = path.read_text()
+        moved = rebase_runbooks(text, base + "/")
+        shipped = text.count(f"runbook_url: {RUNBOOK_BASE}#")
+        assert shipped and moved.count(f"runbook_url: {base}#") == shipped, path.name
+        assert RUNBOOK_BASE not in moved and "runbook:" not in moved, path.name
+        assert moved.replace(base, RUNBOOK_BASE) == text, path.name
+
+
+def test_alerts_table_lists_every_alert() -> None:
+    """docs/alerts.md's table names each shipped alert once, with its severity and `for`."""
+    rows = re.findall(r"^\| (ModelLocalKV\w+) \| (\w+) \| (\w+) \|", ALERTS_DOC.read_text(), flags=re.M)
+    shipped = [(a["alert"], a["labels"]["severity"], a["for"]) for a in alerts()]
+    assert sorted(rows) == sorted(shipped)
+
+
+def test_invalid_manifest_alert_lasts_while_the_file_stays() -> None:
+    """Beside the error-rate alert, one reads the invalid-manifest gauge itself, so it fires for as long as a file
+    stays bad; the promtool tests show it firing after the error alert has resolved, for a file there before the
+    exporter started and for one that appeared later, and resolving once the file is removed."""
+    by_name = {a["alert"]: a for a in alerts()}
+    assert "increase(model_local_kv_manifest_errors_total" in by_name["ModelLocalKVManifestErrors"]["expr"]
+    (invalid,) = [a for a in alerts() if 'model_local_kv_manifests{state="invalid"}' in a["expr"]]
+    assert "[" not in invalid["expr"] and "offset" not in invalid["expr"], "a window would let it go quiet"
+    cases = [case for test in yaml.safe_load(RULES_TEST.read_text())["tests"] for case in test["alert_rule_test"]]
+    quiet = {c["eval_time"] for c in cases if c["alertname"] == "ModelLocalKVManifestErrors" and not c["exp_alerts"]}
+    late = [c for c in cases if c["alertname"] == invalid["alert"] and c["eval_time"] in quiet and c["exp_alerts"]]
+    assert late, "never shown firing while the error alert is quiet"
+    instances = {a["exp_labels"]["instance"] for c in late for a in c["exp_alerts"]}
+    assert {"pod-a:9477", "pod-b:9477"} <= instances  # appeared later; there before the exporter started
 
 
 def _github_anchor(heading: str) -> str:

@@ -202,6 +202,31 @@ def test_demo_shows_every_contract_metric(tmp_path: Path) -> None:
     assert not folder.exists()  # the demo cleans up after itself
 
 
+def test_the_demos_report_says_its_exit_status_is_expected(tmp_path: Path) -> None:
+    """A newcomer's first `kv-exporter report` on the demo's folder exits 1 for the deliberately broken file: the
+    demo's banner says so, and so does the report."""
+    with sidecar(tmp_path, command="demo") as demo:
+        banner = demo.log()
+        match = re.search(
+            r"report: +kv-exporter report (\S+) +\(exits 1 for the invalid example, as expected\)", banner
+        )
+        assert match, banner
+        report = subprocess.run(
+            [sys.executable, "-m", "kv_exporter", "report", match.group(1)], capture_output=True, text=True, check=False
+        )
+    assert report.returncode == 1
+    assert "invalid: " in report.stdout and "broken-example.json" in report.stdout
+    assert "deliberately broken manifest" in report.stdout and "exit 1, as expected" in report.stdout
+
+
+def test_a_report_on_other_invalid_manifests_adds_no_demo_note(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "broken.json").write_text("{")
+    assert main(["report", str(tmp_path)]) == 1
+    assert "demo" not in capsys.readouterr().out
+
+
 def test_demo_running_count_moves() -> None:
     from kv_exporter.sidecar.demo import demo_engines
 

@@ -130,3 +130,80 @@ def test_every_row_driver_has_its_rules() -> None:
     for driver in RowDriver:
         assert driver.rows_at_ceiling(3, 0) >= 1 and driver.rows_running(3, 0) >= 0
     assert [d for d in RowDriver if d.scales_with_max_num_seqs] == [RowDriver.MAX_NUM_SEQS]
+
+
+CONTRACTS = PACKAGE.parent / "docs/CONTRACTS.md"
+
+
+def documented_modules() -> set[str]:
+    """Module paths (relative to kv_exporter/) that docs/CONTRACTS.md's ownership table names: a cell's first name
+    carries its folder, the names after it in the same cell are in that folder (`plugin/identity.py`, `baseline.py`)."""
+    text = CONTRACTS.read_text()
+    table = text.split("## Module ownership\n", 1)[1].split("\n## ", 1)[0]
+    found: set[str] = set()
+    for line in table.splitlines()[2:]:
+        if not line.startswith("| `"):
+            continue
+        names = re.findall(r"`([\w/]+\.py)`", line.split(" | ")[0])
+        folder = names[0].rpartition("/")[0] if names else ""
+        found.update(name if "/" in name else f"{folder}/{name}".lstrip("/") for name in names)
+    return found
+
+
+def test_contracts_names_every_module_and_no_other() -> None:
+    modules = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")}
+    documented = documented_modules()
+    assert not modules - documented, f"modules docs/CONTRACTS.md does not name: {sorted(modules - documented)}"
+    assert not documented - modules, (
+        f"docs/CONTRACTS.md names modules that do not exist: {sorted(documented - modules)}"
+    )
+
+
+def test_the_package_docstring_names_its_rooms() -> None:
+    """The package docstring counts the rooms it lists: the shared contract and each of ROOMS."""
+    doc = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text())) or ""
+    words = {2: "Two", 3: "Three", 4: "Four", 5: "Five"}
+    assert f"{words[len(ROOMS) + 1]} rooms" in doc, doc
+    for name in ROOMS:
+        assert f"`{name}`" in doc, name
+
+
+def defined_in(path: Path) -> dict[str, set[str]]:
+    """Top-level classes, functions and constants of a module, each with what it defines (a class's methods)."""
+    names: dict[str, set[str]] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            names[node.name] = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names[node.name] = set()
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update((target.id, set()) for target in targets if isinstance(target, ast.Name))
+    return names
+
+
+def test_benchmarks_name_only_what_exists() -> None:
+    """docs/benchmarks.md names code as `module.name`, `Class.method` or `Class`: each is still where it says."""
+    text = (PACKAGE.parent / "docs/benchmarks.md").read_text()
+    by_short = {name.rsplit(".", 1)[-1]: defined_in(path) for name, path in MODULES.items()}
+    classes = {name: members for names in by_short.values() for name, members in names.items() if name[0].isupper()}
+    stale = []
+    for ref in sorted(set(re.findall(r"`([A-Za-z_][\w.]*)`", text))):
+        head, _, attr = ref.rpartition(".")
+        if attr == "py":
+            continue  # a file name
+        if head in by_short:
+            known = attr in by_short[head]  # module.name
+        elif head[:1].isupper():
+            known = attr in classes.get(head, set()) or attr in EXTERNAL_CLASSES.get(head, set())  # Class.method
+        elif head:
+            known = attr not in classes  # a class of the package under a module it is not in
+        else:
+            known = not re.fullmatch(r"[A-Z]\w*[a-z]\w*", ref) or ref in classes or ref in EXTERNAL_CLASSES
+        if not known:
+            stale.append(ref)
+    assert not stale, f"docs/benchmarks.md names what the source no longer has: {stale}"
+
+
+# What docs/benchmarks.md names of other projects (transformers, prometheus_client) and the image's Dockerfile.
+EXTERNAL_CLASSES: dict[str, set[str]] = {"DynamicCache": set(), "Gauge": set(), "Sample": set(), "Dockerfile": set()}

@@ -15,33 +15,12 @@ from kv_exporter.protocol import (
     collect_model_local_kv_specs,
     spec_from_hf_config,
 )
-
-
-def make_spec(**overrides: object) -> ModelLocalKVSpec:
-    fields: dict[str, object] = {
-        "name": "c",
-        "layers": 2,
-        "kv_heads": 2,
-        "head_dim": 32,
-        "dtype": "float32",
-        "physical_capacity_positions": 10,
-        "capacity_source": "test",
-        "scope": ModelLocalKVScope.REQUEST,
-        "rows": RowDriver.MAX_NUM_SEQS,
-    }
-    fields.update(overrides)
-    return ModelLocalKVSpec(**fields)  # type: ignore[arg-type]
+from tests.support.specs import make_spec
 
 
 def test_bytes_per_row_is_k_and_v_over_every_dimension() -> None:
     spec = make_spec(layers=3, kv_heads=5, head_dim=7, physical_capacity_positions=11, dtype="bfloat16")
     assert spec.bytes_per_row == 2 * 3 * 5 * 7 * 11 * 2
-
-
-def test_torch_dtype_and_name_agree() -> None:
-    torch = pytest.importorskip("torch")
-    for name in ("float32", "bfloat16", "float16"):
-        assert make_spec(dtype=getattr(torch, name)).bytes_per_row == make_spec(dtype=name).bytes_per_row
 
 
 def test_row_count_follows_the_driver_not_the_scope() -> None:
@@ -203,14 +182,3 @@ def test_raising_declaration_is_logged_and_skipped(caplog: pytest.LogCaptureFixt
 def test_declaring_nothing_is_valid() -> None:
     assert collect_model_local_kv_specs(Module(a=Declarer())) == []
     assert collect_model_local_kv_specs(object()) == []
-
-
-def test_real_torch_modules_are_walked() -> None:
-    torch = pytest.importorskip("torch")
-
-    class Owner(torch.nn.Module):  # type: ignore[misc]
-        def model_local_kv_specs(self) -> list[ModelLocalKVSpec]:
-            return [make_spec()]
-
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(Owner()))
-    assert [path for path, _ in collect_model_local_kv_specs(model)] == ["1.0"]

@@ -19,7 +19,7 @@ from kv_exporter.plugin.settings import HookSettings
 from kv_exporter.sidecar.liveness import State, Verdict
 from kv_exporter.sidecar.observed import observe as sidecar_view
 from kv_exporter.sidecar.records import GpuResult, ManifestEntry
-from tests.unit.observing import Omni, by_owner, observer
+from tests.support.observing import Omni, by_owner, observer
 
 __all__ = ["observer"]  # the fixture, used by name
 

@@ -1,7 +1,7 @@
 """The engine side of "observed beside declared": every live transformers cache, what it holds, who owns it.
 
 Real transformers caches and models (tiny, random, built from configs). Every expected byte count comes from
-`measure_cache_bytes` on the same cache (itself checked against declarations in test_real_caches.py), never
+`measure_cache_bytes` on the same cache (itself checked against declarations in tests/torch/test_cachebytes.py), never
 from the observation being tested.
 """
 
@@ -26,7 +26,7 @@ from transformers import (
 from kv_exporter.cachebytes import measure_cache_bytes
 from kv_exporter.observation import UNATTRIBUTED_OWNER, ObservationState
 from kv_exporter.plugin import observe
-from tests.unit.cache_models import (
+from tests.support.cache_models import (
     WINDOW,
     build,
     forward,
@@ -37,7 +37,7 @@ from tests.unit.cache_models import (
     whisper_config,
     whisper_decode,
 )
-from tests.unit.observing import Omni, Prebuilt, by_owner, declaring_owners, decode_in_helper, observer, sample
+from tests.support.observing import Omni, Prebuilt, by_owner, declaring_owners, decode_in_helper, observer, sample
 
 __all__ = ["observer"]  # the fixture, imported for pytest
 

@@ -24,7 +24,7 @@ from kv_exporter.plugin.hooks import install_post_import
 from kv_exporter.plugin.oncelog import reset_for_tests
 from kv_exporter.plugin.settings import HookSettings
 from kv_exporter.protocol import ModelLocalKVSpec
-from tests.unit.cache_models import build, declare, forward, full_config, prompt, sliding_config
+from tests.support.cache_models import build, declare, forward, full_config, prompt, sliding_config
 
 OBSERVE_LOGGER = "vllm.kv_exporter"
 

@@ -23,8 +23,8 @@ from kv_exporter.observation import UNATTRIBUTED_OWNER, Observation, Observation
 from kv_exporter.plugin import observe
 from kv_exporter.plugin.oncelog import reset_for_tests
 from kv_exporter.plugin.settings import DEFAULT_OBSERVE_INTERVAL_S, HookSettings
-from tests.unit.cache_models import build, forward, full_config, prefill_and_decode, prompt
-from tests.unit.observing import by_owner, observer, sample, warnings_logged
+from tests.support.cache_models import build, forward, full_config, prefill_and_decode, prompt
+from tests.support.observing import by_owner, observer, sample, warnings_logged
 
 __all__ = ["observer"]  # the fixture, imported for pytest
 

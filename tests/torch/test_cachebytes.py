@@ -24,7 +24,7 @@ from transformers import (
 
 from kv_exporter.cachebytes import CacheBytes, measure_cache_bytes
 from kv_exporter.dtypes import dtype_name
-from tests.unit.cache_models import (
+from tests.support.cache_models import (
     WINDOW,
     at_positions,
     build,

@@ -4,7 +4,7 @@ Nothing is downloaded: every model is built from a config here. Geometry is smal
 proof runs in seconds on two CPU cores, but head_dim, kv heads and layers all differ from each other so a
 transposed factor cannot hide.
 
-`python -m tests.unit.cache_models` prints the figures docs/cache-bytes.md quotes.
+`python -m tests.support.cache_models` prints the figures docs/cache-bytes.md quotes.
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ CASES = (
 
 
 def figures(dtype: torch.dtype, batch: int) -> list[Figure]:
-    """Measure every doc scenario; tests/unit/test_real_caches.py asserts the same arithmetic."""
+    """Measure every doc scenario; tests/torch/test_cachebytes.py asserts the same arithmetic."""
     rows = []
     for case, run in CASES:
         declared, cache = run(dtype, batch)
