@@ -9,7 +9,7 @@ DEMO_VENV  := .venv-demo
 DEMO_STAMP := $(DEMO_VENV)/.installed
 DEMO_ARGS  ?=
 
-.PHONY: demo test lint unit engine-env omni-env fuzz-env system-deps bench fuzz gpu-proof clean
+.PHONY: demo test lint unit engine-env omni-env omni32-env fuzz-env system-deps bench fuzz gpu-proof clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,10 +39,13 @@ engine-env:
 omni-env:
 	bash scripts/ensure-omni-env.sh
 
+omni32-env:
+	bash scripts/ensure-omni32-env.sh
+
 fuzz-env:
 	bash scripts/fuzz.sh --env-only
 
-test: $(STAMP) system-deps engine-env omni-env fuzz-env lint
+test: $(STAMP) system-deps engine-env omni-env omni32-env fuzz-env lint
 	$(PY) -m pytest tests
 
 bench: $(STAMP)
