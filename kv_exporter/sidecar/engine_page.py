@@ -211,7 +211,9 @@ def _engine_key(labels: dict[str, str]) -> EngineKey:
 
 @dataclass(frozen=True)
 class EngineTarget:
-    """A configured engine metrics URL. `target` is the URL without credentials (safe as a label)."""
+    """A configured engine metrics URL: `url` is what is fetched (a query string an engine needs stays in it),
+    `target` the label and what logs show: scheme, host, port and path only, so neither credentials in the userinfo
+    nor a `?token=` end up in Prometheus."""
 
     url: str
     target: str
@@ -226,13 +228,14 @@ class EngineTarget:
         if parts.port is not None:
             netloc = f"{netloc}:{parts.port}"
         path = parts.path or "/metrics"  # a bare engine address means its /metrics page
-        clean = urllib.parse.urlunsplit((parts.scheme, netloc, path, parts.query, ""))
+        fetched = urllib.parse.urlunsplit((parts.scheme, netloc, path, parts.query, ""))  # no fragment: never sent
+        shown = urllib.parse.urlunsplit((parts.scheme, netloc, path, "", ""))
         auth = None
         if parts.username is not None:
             user = urllib.parse.unquote(parts.username)
             password = urllib.parse.unquote(parts.password or "")
             auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-        return cls(url=clean, target=clean, authorization=auth)
+        return cls(url=fetched, target=shown, authorization=auth)
 
 
 def fetch_page(
