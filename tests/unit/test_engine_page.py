@@ -9,6 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv_exporter.sidecar.engine_page import (
+    DEFAULT_MAX_PAGE_BYTES,
     EngineKey,
     EnginePageError,
     EngineTarget,
@@ -257,3 +258,18 @@ def test_huge_page_is_refused(send_length: bool) -> None:
             fetch_page(EngineTarget.parse(engine.url), max_bytes=len(body) // 2)
         assert info.value.reason == "too_large"
         assert len(fetch_page(EngineTarget.parse(engine.url), max_bytes=len(body))) == len(body)
+
+
+def test_scanning_a_large_page_is_bounded_by_the_engine_deadline() -> None:
+    """A 3.5 MiB page of running series took 2-4 s to scan past --engine-timeout on today's main."""
+    line = 'vllm:num_requests_running{engine="%d",model_name="%s"} 1.0\n'
+    body = "".join(line % (i, "m" * 40) for i in range(37_000)).encode()
+    assert 3.4 * (1 << 20) < len(body) < DEFAULT_MAX_PAGE_BYTES
+    with SimulatedEngine(body) as engine:
+        started = time.monotonic()
+        with pytest.raises(EnginePageError) as info:
+            read_engine(EngineTarget.parse(engine.url), timeout_s=0.3)
+        took = time.monotonic() - started
+    assert info.value.reason == "timeout" and "series" in info.value.detail
+    assert took < 0.3 + 0.25, took
+    assert len(scan_page(body).running) == 37_000  # without a deadline, all of it
