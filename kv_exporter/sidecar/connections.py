@@ -47,6 +47,17 @@ TLSForNewConnection = Callable[[], tuple[ssl.SSLContext, frozenset[str] | None] 
 _WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
+def _has_input(conn: Connection) -> bool:
+    """Whether the client has sent bytes the loop has not read yet: in the kernel (peeked below any TLS layer), or
+    decrypted and held by the TLS layer."""
+    if isinstance(conn.sock, ssl.SSLSocket) and conn.handshake is None and conn.sock.pending():
+        return True
+    try:
+        return bool(socket.socket.recv(conn.sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # nothing there (EAGAIN), or reset: nothing worth keeping
+        return False
+
+
 class ConnectionLoop:
     def __init__(self, listener: socket.socket, dispatch: Dispatch, tls: TLSForNewConnection, limits: Limits) -> None:
         listener.setblocking(False)
@@ -189,9 +200,12 @@ class ConnectionLoop:
 
     def _drop_longest_waiting(self) -> bool:
         """Close the connection waiting longest for a request; failing that, the answer stalled longest (a client
-        that does not read). One a worker is answering is never dropped. False if there was none."""
+        that does not read). One a worker is answering is never dropped, nor one whose next bytes have arrived but
+        were not read yet (a burst of accepts comes before the reads: a scraper's request sat unread while the
+        newcomers of the same burst evicted it). False if there was none."""
         stalled = (conn for conn in self._busy if conn.state is State.WRITE)
-        victim = next(iter(self._waiting), None) or min(stalled, key=lambda conn: conn.deadline, default=None)
+        idle = (conn for conn in self._waiting if conn.state is State.LINGER or not _has_input(conn))
+        victim = next(idle, None) or min(stalled, key=lambda conn: conn.deadline, default=None)
         if victim is None:
             return False
         if not self._at_cap:

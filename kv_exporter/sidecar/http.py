@@ -42,6 +42,10 @@ MAX_WORKERS = 64
 # lost SYNs and waited out the 1 s retransmit: 32 scrapers connecting at once saw ~2 s first scrapes
 # (docs/benchmarks.md, target 5).
 LISTEN_BACKLOG = 128
+# Requests whose credential is not cached yet (a bcrypt check) are answered by a thread of their own: bcrypt runs one
+# at a time (web/auth.py), and 200 clients with wrong passwords once held every worker waiting for it, so that a
+# verified scraper and /healthz waited 5-10 s.
+PASSWORD_CHECK_WORKERS = 1
 _TEXT = "text/plain; charset=utf-8"
 _INTERNAL_ERROR_TEXT = b"internal error, see the exporter log\n"
 _INTERNAL_ERROR = b"HTTP/1.1 500 Internal Server Error\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (
@@ -71,13 +75,17 @@ class ExporterServer:
         self.web_config = web_config
         self.server_address: tuple[str, int] = listener.getsockname()[:2]
         self._jobs: queue.SimpleQueue[tuple[Connection, Request] | None] = queue.SimpleQueue()
+        self._password_jobs: queue.SimpleQueue[tuple[Connection, Request] | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
+        self._password_workers: list[threading.Thread] = []
         self._idle_workers = 0
         self._workers_lock = threading.Lock()
         self._loop = ConnectionLoop(listener, self._submit, self._tls, limits)
 
-    def web_config_now(self) -> WebConfig | None:
-        return None if self.web_config is None else self.web_config.current()
+    def web_config_now(self, wait_s: float | None = None) -> WebConfig | None:
+        if self.web_config is None:
+            return None
+        return self.web_config.current() if wait_s is None else self.web_config.current(wait_s)
 
     def serve_forever(self) -> None:
         try:
@@ -86,6 +94,8 @@ class ExporterServer:
             with self._workers_lock:
                 for _ in self._workers:
                     self._jobs.put(None)
+                for _ in self._password_workers:
+                    self._password_jobs.put(None)
 
     def shutdown(self) -> None:
         """Stop `serve_forever`, closing every connection at once."""
@@ -105,24 +115,40 @@ class ExporterServer:
         return finished
 
     def _tls(self) -> tuple[ssl.SSLContext, frozenset[str] | None] | None:
-        """Per new connection: a reloaded config (a rotated certificate) applies from the next one on."""
-        config = self.web_config_now()
+        """Per new connection: a reloaded config (a rotated certificate) applies from the next one on. Called by
+        the connection loop, which never waits for a check of the files."""
+        config = self.web_config_now(wait_s=0)
         context = None if config is None else config.ssl_context()
         return None if config is None or context is None else (context, config.allowed_sans)
 
     def _submit(self, conn: Connection, request: Request) -> None:
+        if self._needs_password_check(request):
+            self._password_jobs.put((conn, request))
+            with self._workers_lock:
+                if len(self._password_workers) < PASSWORD_CHECK_WORKERS:
+                    worker = threading.Thread(target=self._work, args=(self._password_jobs, False),
+                                              name="kv-exporter-password", daemon=True)  # fmt: skip
+                    self._password_workers.append(worker)
+                    worker.start()
+            return
         self._jobs.put((conn, request))
         with self._workers_lock:
             if self._idle_workers:
                 self._idle_workers -= 1  # that worker's job now
             elif len(self._workers) < MAX_WORKERS:
                 # A daemon: a worker stuck in a collection that never returns must not hold up the exit.
-                worker = threading.Thread(target=self._work, name=f"kv-exporter-{len(self._workers)}", daemon=True)
+                name = f"kv-exporter-{len(self._workers)}"
+                worker = threading.Thread(target=self._work, args=(self._jobs, True), name=name, daemon=True)
                 self._workers.append(worker)
                 worker.start()
 
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
+    def _needs_password_check(self, request: Request) -> bool:
+        """On the connection loop: whether answering would run bcrypt (never waiting for a web config check)."""
+        config = self.web_config_now(wait_s=0)
+        return config is not None and config.known_auth(request.header("Authorization")) is None
+
+    def _work(self, jobs: queue.SimpleQueue[tuple[Connection, Request] | None], pooled: bool) -> None:
+        while (job := jobs.get()) is not None:
             conn, request = job
             try:
                 data, close = self._serve(request)
@@ -130,8 +156,9 @@ class ExporterServer:
                 log.exception("error answering %s", request.path)
                 data, close = (_INTERNAL_ERROR,), True
             self._loop.answer(conn, data, close)
-            with self._workers_lock:
-                self._idle_workers += 1
+            if pooled:
+                with self._workers_lock:
+                    self._idle_workers += 1
 
     def _serve(self, request: Request) -> tuple[tuple[bytes, ...], bool]:
         config = self.web_config_now()
