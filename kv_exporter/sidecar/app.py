@@ -51,13 +51,16 @@ def _quality(params: list[str]) -> float:
 class ExporterApp:
     """The endpoints' content, independent of the HTTP plumbing."""
 
-    def __init__(self, collection: Collection, telemetry_path: str = DEFAULT_TELEMETRY_PATH) -> None:
+    def __init__(
+        self, collection: Collection, telemetry_path: str = DEFAULT_TELEMETRY_PATH, exporter_metrics: bool = True
+    ) -> None:
         self.collection = collection
         self.telemetry_path = telemetry_path
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(KVCollector(collection))
-        # The exporter's own process, as every Python exporter reports it: process_*, python_info, python_gc_*.
-        for own in (ProcessCollector, PlatformCollector, GCCollector):
+        # The exporter's own process, as every Python exporter reports it: process_*, python_info, python_gc_*;
+        # left out by --web.disable-exporter-metrics, as node_exporter leaves out its process_*, go_*, promhttp_*.
+        for own in (ProcessCollector, PlatformCollector, GCCollector) if exporter_metrics else ():
             own(registry=self.registry)
         self.exposition = Exposition()
         self._pages: dict[tuple[str, bool], SingleFlight[bytes]] = {}

@@ -9,10 +9,11 @@ the path, as behind the toolkit's middleware.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
@@ -47,6 +48,7 @@ LISTEN_BACKLOG = 128
 # verified scraper and /healthz waited 5-10 s.
 PASSWORD_CHECK_WORKERS = 1
 _TEXT = "text/plain; charset=utf-8"
+HEALTH_ANSWERS = {"/-/healthy": b"kv-exporter is Healthy.\n", "/-/ready": b"kv-exporter is Ready.\n"}
 _INTERNAL_ERROR_TEXT = b"internal error, see the exporter log\n"
 _INTERNAL_ERROR = b"HTTP/1.1 500 Internal Server Error\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (
     len(_INTERNAL_ERROR_TEXT),
@@ -62,25 +64,30 @@ class Answer:
 
 
 class ExporterServer:
-    """Serves `app` on `listener`: `serve_forever` in one thread, `stop` (or `shutdown`, `server_close`) in another."""
+    """Serves `app` on `listeners` (one or more, as node_exporter listens on each --web.listen-address):
+    `serve_forever` in one thread, `stop` (or `shutdown`, `server_close`) in another."""
 
     def __init__(
         self,
-        listener: socket.socket,
+        listeners: socket.socket | Sequence[socket.socket],
         app: ExporterApp,
         web_config: WebConfigReloader | None = None,
         limits: Limits = Limits(),  # noqa: B008  # frozen: one shared default is safe
     ) -> None:
+        listeners = [listeners] if isinstance(listeners, socket.socket) else list(listeners)
         self.app = app
         self.web_config = web_config
-        self.server_address: tuple[str, int] = listener.getsockname()[:2]
+        self.server_addresses: list[tuple[str, int]] = [listener.getsockname()[:2] for listener in listeners]
+        self.server_address = self.server_addresses[0]
         self._jobs: queue.SimpleQueue[tuple[Connection, Request] | None] = queue.SimpleQueue()
         self._password_jobs: queue.SimpleQueue[tuple[Connection, Request] | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._password_workers: list[threading.Thread] = []
         self._idle_workers = 0
         self._workers_lock = threading.Lock()
-        self._loop = ConnectionLoop(listener, self._submit, self._tls, limits)
+        self._loop = ConnectionLoop(listeners, self._submit, self._tls, limits)
+        self._max_requests = limits.max_requests
+        self._scrape_slots = threading.BoundedSemaphore(limits.max_requests) if limits.max_requests else None
 
     def web_config_now(self, wait_s: float | None = None) -> WebConfig | None:
         if self.web_config is None:
@@ -184,8 +191,18 @@ class ExporterServer:
     def _route(self, path: str, request: Request) -> Answer:
         app = self.app
         if path == app.telemetry_path:
-            body, headers = app.metrics(request.header("Accept"), request.header("Accept-Encoding"))
+            slots = self._scrape_slots
+            if slots is not None and not slots.acquire(blocking=False):
+                text = f"Limit of concurrent requests reached ({self._max_requests}), try again later.\n"
+                return Answer(503, text.encode())  # promhttp's answer past --web.max-requests
+            try:
+                body, headers = app.metrics(request.header("Accept"), request.header("Accept-Encoding"))
+            finally:
+                if slots is not None:
+                    slots.release()
             return Answer(200, body, headers)
+        if path in HEALTH_ANSWERS:  # Prometheus' own: the process serves (and, being up, is ready)
+            return Answer(200, HEALTH_ANSWERS[path])
         if path == "/healthz":
             trouble = app.trouble()
             return Answer(503, f"unhealthy: {trouble}\n".encode()) if trouble else Answer(200, b"ok\n")
@@ -220,12 +237,7 @@ def parse_listen_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def build_server(
-    listen_address: str,
-    app: ExporterApp,
-    web_config: WebConfigReloader | None = None,
-    limits: Limits = Limits(),  # noqa: B008
-) -> ExporterServer:
+def listen(listen_address: str) -> socket.socket:
     host, port = parse_listen_address(listen_address)
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -235,7 +247,41 @@ def build_server(
     except OSError:
         listener.close()
         raise
-    return ExporterServer(listener, app, web_config, limits)
+    return listener
+
+
+SYSTEMD_FIRST_FD = 3  # sd_listen_fds(3): the passed sockets start at SD_LISTEN_FDS_START
+
+
+def systemd_sockets(environ: Mapping[str, str] | None = None) -> list[socket.socket]:
+    """The listening sockets systemd passed (socket activation: LISTEN_PID, LISTEN_FDS), as
+    `--web.systemd-socket` takes them; ValueError when there are none for this process."""
+    env = os.environ if environ is None else environ
+    if env.get("LISTEN_PID") != str(os.getpid()) or not env.get("LISTEN_FDS", "").isdigit():
+        raise ValueError("no sockets passed by systemd (LISTEN_PID, LISTEN_FDS) to this process")
+    count = int(env["LISTEN_FDS"])
+    if count < 1:
+        raise ValueError("systemd passed no sockets (LISTEN_FDS=0)")
+    return [socket.socket(fileno=fd) for fd in range(SYSTEMD_FIRST_FD, SYSTEMD_FIRST_FD + count)]
+
+
+def build_server(
+    listen_address: str | Sequence[str] | Sequence[socket.socket],
+    app: ExporterApp,
+    web_config: WebConfigReloader | None = None,
+    limits: Limits = Limits(),  # noqa: B008
+) -> ExporterServer:
+    """A server on each address (or on the given listening sockets: systemd's)."""
+    wanted: list[str | socket.socket] = [listen_address] if isinstance(listen_address, str) else [*listen_address]
+    listeners: list[socket.socket] = []
+    try:
+        for item in wanted:
+            listeners.append(item if isinstance(item, socket.socket) else listen(item))
+    except OSError:
+        for listener in listeners:
+            listener.close()
+        raise
+    return ExporterServer(listeners, app, web_config, limits)
 
 
 def serve_in_thread(server: ExporterServer) -> threading.Thread:
@@ -244,8 +290,16 @@ def serve_in_thread(server: ExporterServer) -> threading.Thread:
     return thread
 
 
+def server_urls(server: ExporterServer) -> list[str]:
+    return [_url(address) for address in server.server_addresses]
+
+
 def server_url(server: ExporterServer) -> str:
-    host, port = server.server_address
+    return _url(server.server_address)
+
+
+def _url(address: tuple[str, int]) -> str:
+    host, port = address
     shown = "localhost" if host in ("0.0.0.0", "::") else str(host)
     shown = f"[{shown}]" if ":" in shown else shown
     return f"http://{shown}:{port}"
