@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from kv_exporter.document import MAX_SAFE_INT, DocumentError, check_text
 from kv_exporter.printable import DETAIL_MAX_CHARS, printable
-from kv_exporter.sidecar.fetch import FETCH_ERROR_REASONS, TIMEOUT, FetchError, get
+from kv_exporter.transport.fetch import FETCH_ERROR_REASONS, TIMEOUT, FetchError, get
 
 STAGE_METRIC = b"vllm:num_requests_running"
 PIPELINE_METRIC = b"vllm_omni:num_requests_running"

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import FlightTimeout
-from kv_exporter.sidecar.connection import Connection, Limits
-from kv_exporter.sidecar.connections import ConnectionLoop
-from kv_exporter.sidecar.request_head import Request
+from kv_exporter.transport.connection import Connection, Limits
+from kv_exporter.transport.connections import ConnectionLoop
+from kv_exporter.transport.request_head import Request
 
 if TYPE_CHECKING:  # the web extra (pyyaml, bcrypt) is needed only with --web.config.file
     import ssl

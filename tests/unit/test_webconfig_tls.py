@@ -22,8 +22,8 @@ import pytest
 from kv_exporter.manifest import write_manifest
 from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
-from kv_exporter.sidecar.connection import Limits
 from kv_exporter.sidecar.http import ExporterServer, build_server, serve_in_thread
+from kv_exporter.transport.connection import Limits
 from kv_exporter.web.reload import WebConfigReloader
 from kv_exporter.web.tls import PLAIN_HTTP_TO_TLS_RESPONSE
 from tests.support import net

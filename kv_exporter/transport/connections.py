@@ -23,8 +23,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kv_exporter.sidecar.connection import Connection, Limits, State
-from kv_exporter.sidecar.request_head import (
+from kv_exporter.transport.connection import Connection, Limits, State
+from kv_exporter.transport.request_head import (
     MAX_HEAD_BYTES,
     BadRequest,
     Request,

@@ -1,7 +1,7 @@
 """Reading an HTTP/1.x request head as Go's net/http reads it (the exporter-toolkit's server, so node_exporter's):
 what is refused with which status, and how the body is framed so that it is never read as a request.
 
-Pure functions over bytes; `kv_exporter.sidecar.connections` feeds them. Every refusal closes the connection, as in
+Pure functions over bytes; `kv_exporter.transport.connections` feeds them. Every refusal closes the connection, as in
 Go. Where this differs from Go on purpose, docs/reliability.md (*Differences from node_exporter*) says so.
 """
 

@@ -1,4 +1,4 @@
-"""One connection as the connection loop (`kv_exporter.sidecar.connections`) keeps it, and the limits it applies."""
+"""One connection as the connection loop (`kv_exporter.transport.connections`) keeps it, and the limits it applies."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 from dataclasses import dataclass
 from enum import Enum
 
-from kv_exporter.sidecar.request_head import Request
+from kv_exporter.transport.request_head import Request
 from kv_exporter.web.tls import HANDSHAKE_TIMEOUT_S, Handshake
 
 DEFAULT_MAX_CONNECTIONS = 512  # Prometheus' own --web.max-connections default
