@@ -57,10 +57,11 @@ class _Held:
 class LayerRecord(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to one layer: the cache entry it belongs to and the storage each slot holds."""
 
-    __slots__ = ("entry", "keys", "layer_id", "values")
+    __slots__ = ("entry", "keys", "layer_id", "tally", "values")
 
     entry: Any  # the registry's Entry of its cache
     layer_id: int
+    tally: Tally | None  # its cache's owner's, from its first storage on (the owner is settled by then)
     keys: int  # the storage's data pointer; 0: none
     values: int
 
@@ -68,9 +69,11 @@ class LayerRecord(weakref.ref):  # type: ignore[type-arg]
 class Accounts:
     """Per owner: the bytes its caches hold (each storage once over all owners) and the most since `take_peaks`."""
 
-    def __init__(self, cache_of: Callable[[object], Any], owner_of: Callable[[Any, Geometry | None], str]) -> None:
+    def __init__(
+        self, cache_of: Callable[[object], Any], owner_of: Callable[[Any, Callable[[], Geometry | None]], str]
+    ) -> None:
         self._cache_of = cache_of  # the entry of a tracked cache object, or None
-        self._owner_of = owner_of  # the owner to charge an entry's storage to (deciding it at its first tensor)
+        self._owner_of = owner_of  # the owner to charge an entry's storage to (deciding it, by geometry, at its first)
         self.tallies: dict[str, Tally] = {}
         self._held: dict[int, _Held] = {}
         self._layers: dict[int, LayerRecord] = {}
@@ -91,7 +94,7 @@ class Accounts:
                 self.bind(layer, entry)
             return
         old = record.keys if slot == "keys" else record.values
-        new = self._take(tensor, record.entry, old)
+        new = self._take(tensor, record, old)
         if slot == "keys":
             record.keys = new
         else:
@@ -111,10 +114,11 @@ class Accounts:
             return
         record.entry = entry
         record.layer_id = id(layer)
+        record.tally = None
         record.keys = record.values = 0
         self._layers[record.layer_id] = record
-        record.keys = self._take(getattr(layer, "keys", None), entry, 0)
-        record.values = self._take(getattr(layer, "values", None), entry, 0)
+        record.keys = self._take(getattr(layer, "keys", None), record, 0)
+        record.values = self._take(getattr(layer, "values", None), record, 0)
 
     def _layer_released(self, record: LayerRecord) -> None:
         if self._layers.get(record.layer_id) is not record:  # counted before a rebuild: nothing of it is held now
@@ -125,19 +129,22 @@ class Accounts:
 
     # -- storage --------------------------------------------------------------------------------------------------
 
-    def _take(self, tensor: object, entry: Any, old: int) -> int:
+    def _take(self, tensor: Any, record: LayerRecord, old: int) -> int:
         """Hold `tensor`'s storage instead of `old`'s; the new data pointer (0: no tensor or no storage)."""
         pointer, nbytes = _storage(tensor)
         if pointer == old:
             return old
-        self._release(old)  # first: the slot no longer holds it
+        if old:
+            self._release(old)  # first: the slot no longer holds it
         if not pointer:
             return 0
         held = self._held.get(pointer)
         if held is not None:
             held.refs += 1
             return pointer
-        tally = self._tally(self._owner_of(entry, _geometry(tensor)))
+        tally = record.tally
+        if tally is None:
+            tally = record.tally = self._tally(self._owner_of(record.entry, lambda: _geometry(tensor)))
         self._held[pointer] = _Held(nbytes, tally)
         tally.current += nbytes
         if tally.current > tally.peak:
@@ -145,8 +152,6 @@ class Accounts:
         return pointer
 
     def _release(self, pointer: int) -> None:
-        if not pointer:
-            return
         held = self._held.get(pointer)
         if held is None:
             return
@@ -212,14 +217,11 @@ class Accounts:
         return isinstance(owner, type) and issubclass(owner, self.cache_base)
 
 
-def _storage(tensor: object) -> tuple[int, int]:
+def _storage(tensor: Any) -> tuple[int, int]:
     """(data pointer, bytes) of a tensor's storage; (0, 0) for None, a non-tensor or an empty storage."""
-    untyped_storage = getattr(tensor, "untyped_storage", None)
-    if untyped_storage is None:
-        return 0, 0
     try:
-        storage = untyped_storage()
-    except (NotImplementedError, RuntimeError):  # sparse, nested and wrapper tensors: the sampler reports them
+        storage = tensor.untyped_storage()
+    except (AttributeError, TypeError, NotImplementedError, RuntimeError):  # sparse, nested, wrapper: the sampler says
         return 0, 0
     nbytes: int = storage.nbytes()
     return (storage.data_ptr(), nbytes) if nbytes else (0, 0)

@@ -44,6 +44,7 @@ class Registry:
         self.installed_on: type | None = None
         self.unavailable = ""  # why the figures cannot be complete in this process ("" while they can)
         self._stack_modules: StackModules | None = None
+        self._layer_base: type | None = None
         self._on_release = self._released
 
     def _released(self, entry: Entry) -> None:
@@ -55,13 +56,13 @@ class Registry:
         entry = self.by_cache.get(id(cache))
         return entry if entry is not None and entry() is cache else None
 
-    def _charge(self, entry: Entry, geometry: Geometry | None) -> str:
+    def _charge(self, entry: Entry, geometry: Callable[[], Geometry | None]) -> str:
         """The owner a new storage of `entry`'s cache is charged to; its first tensor settles a candidate."""
         candidate = entry.candidate
         if candidate is not None and entry.owner is not None:
             entry.candidate = None
-            model = self.model
-            if geometry is not None and model is not None and model.declares(candidate, geometry):
+            model, shape = self.model, geometry()
+            if shape is not None and model is not None and model.declares(candidate, shape):
                 entry.owner = candidate
         return UNATTRIBUTED_OWNER if entry.owner is None else entry.owner  # as the sampler says before `attach`
 
@@ -158,19 +159,22 @@ class Registry:
         else:
             tracker = _Tracker(self)
             cache_base.__new__ = staticmethod(_tracking_new(cache_base, own_new, tracker))  # type: ignore[method-assign]
-            _patch_contents(cache_base, layer_base, tracker)
+        _patch_contents(cache_base, layer_base, tracker)
+        self._layer_base = layer_base
         self.installed_on = cache_base
         self.accounts.cache_base = cache_base
         return True
 
     def detach(self) -> None:
-        """Stop tracking into this registry (tests). The `__new__` stays: CPython cannot give a class back the
-        `object.__new__` it inherited once it has had its own (deleting it leaves a slot that refuses arguments)."""
+        """Stop tracking into this registry (tests, benchmarks). The content hooks go; the `__new__` stays: CPython
+        cannot give a class back the `object.__new__` it inherited once it has had its own (deleting it leaves a slot
+        that refuses arguments)."""
         cache_base, self.installed_on = self.installed_on, None
         own_new = None if cache_base is None else cache_base.__dict__.get("__new__")
         tracker = getattr(getattr(own_new, "__func__", own_new), PATCHED_MARK, None)
         if isinstance(tracker, _Tracker) and tracker.registry is self:
             tracker.registry = None
+            _unpatch_contents(cache_base, self._layer_base)
 
 
 class _Tracker:
@@ -234,6 +238,16 @@ def _patch_contents(cache_base: type[Any], layer_base: type[Any] | None, tracker
         setattr(cache_base, "__setstate__", _cache_setstate)  # noqa: B010
 
 
+def _unpatch_contents(cache_base: type[Any] | None, layer_base: type[Any] | None) -> None:
+    for cls, name, hook in (
+        (layer_base, "__setattr__", _layer_setattr),
+        (cache_base, "__setattr__", _cache_setattr),
+        (cache_base, "__setstate__", _cache_setstate),
+    ):
+        if cls is not None and vars(cls).get(name) is hook:
+            delattr(cls, name)
+
+
 def _layer_setattr(self: Any, name: str, value: Any) -> None:
     _store(self, name, value)
     if name in TENSOR_SLOTS and not _Contents.is_compiling():
@@ -284,10 +298,27 @@ def _peak_failed(registry: Registry, exc: Exception) -> None:
 def _store(obj: Any, name: str, value: Any) -> None:
     """What `object.__setattr__` does, through the instance dict where no descriptor intervenes: dynamo traces a
     `__setattr__` that stores that way, and recurses without end into one that calls `object.__setattr__`."""
-    if hasattr(type(getattr(type(obj), name, None)), "__set__") or not hasattr(obj, "__dict__"):
+    cls = type(obj)
+    guarded = _GUARDED.get(cls)
+    if guarded is None:
+        guarded = _GUARDED[cls] = _guarded_names(cls)
+    if name in guarded:
         object.__setattr__(obj, name, value)
-    else:
+        return
+    try:
         obj.__dict__[name] = value
+    except AttributeError:  # no instance dict (slots only)
+        object.__setattr__(obj, name, value)
+
+
+# class -> the attribute names a store must leave to object.__setattr__ (data descriptors: properties, slots).
+_GUARDED: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _guarded_names(cls: type) -> frozenset[str]:
+    return frozenset(
+        name for klass in cls.__mro__ for name, value in vars(klass).items() if hasattr(type(value), "__set__")
+    )
 
 
 def _compiling_test() -> Callable[[], bool]:
