@@ -87,7 +87,7 @@ class Decoder(nn.Module):
 class Parent(nn.Module):
     """Declares a cache of its own language model's geometry; its child `helper` declares nothing."""
 
-    def __init__(self, helper: Helper) -> None:
+    def __init__(self, helper: nn.Module) -> None:
         super().__init__()
         self.lm = build(MistralForCausalLM, sliding_config(), torch.float32)
         self.helper = helper
@@ -198,6 +198,37 @@ def test_a_child_cache_of_the_declared_geometry_is_the_declarer_s() -> None:
     model()
     found = by_owner(sample())
     assert "helper" not in found
+    assert found[""].caches == 1
+    assert found[""].bytes == storage_bytes(model.kept) > 0
+
+
+class ModelMade(nn.Module):
+    """Lets its language model make its cache (`use_cache`, as MiMo's input_local_transformer does): transformers
+    builds it with every layer of the model's config."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.lm = build(MistralForCausalLM, config, torch.float32)
+
+    def forward(self) -> Any:
+        return self.lm(input_ids=prompt(1, 4), use_cache=True).past_key_values
+
+
+def test_a_child_cache_with_other_layers_is_the_child_s_even_with_the_same_heads() -> None:
+    model = Parent(ModelMade(sliding_config(num_hidden_layers=2)))  # the declared heads and size, 2 layers of 3
+    observe.attach(model, [parent_declaration(model)])
+    model()
+    found = by_owner(sample())
+    assert found["helper.lm.model"].caches == 1  # the module whose code made it, below the child
+    assert found["helper.lm.model"].bytes == storage_bytes(model.kept) > 0
+    assert (found[""].bytes, found[""].caches) == (0, 0)
+
+
+def test_a_child_cache_with_the_declared_layers_is_the_declarer_s() -> None:
+    model = Parent(ModelMade(sliding_config()))
+    observe.attach(model, [parent_declaration(model)])
+    model()
+    found = by_owner(sample())
     assert found[""].caches == 1
     assert found[""].bytes == storage_bytes(model.kept) > 0
 

@@ -147,9 +147,9 @@ def patches(settings: HookSettings) -> dict[str, Callable[[ModuleType], None]]:
 def attach(model: object, declarations: Iterable[Any], device: object = None) -> None:
     """Attribute caches to `model`'s modules from now on, and those created before (during load) now.
 
-    `declarations`: the manifest's (owner, kv_heads, head_dim, dtype are read), or owner paths alone (owners whose
-    geometry is unknown: a cache a module below one makes is never charged to it). `device`: the worker's torch device
-    (a CUDA one adds the allocator's figures); call this from the worker's own thread. Never raises.
+    `declarations`: the manifest's (owner, layers, kv_heads, head_dim, dtype are read), or owner paths alone (owners
+    whose geometry is unknown: a cache a module below one makes is never charged to it). `device`: the worker's torch
+    device (a CUDA one adds the allocator's figures); call this from the worker's own thread. Never raises.
     """
     if _observer.interval() <= 0:
         return
@@ -169,7 +169,8 @@ def declared_geometries(declarations: Iterable[Any]) -> dict[str, set[Geometry]]
         if isinstance(d, str):
             declared.setdefault(d, set())
         else:
-            declared.setdefault(d.owner, set()).add(Geometry(int(d.kv_heads), int(d.head_dim), dtype_name(d.dtype)))
+            geometry = Geometry(int(d.layers), int(d.kv_heads), int(d.head_dim), dtype_name(d.dtype))
+            declared.setdefault(d.owner, set()).add(geometry)
     return declared
 
 

@@ -4,7 +4,7 @@ The owner is the innermost module of the model whose code is on the stack (a hel
 its code), else `UNATTRIBUTED_OWNER`. When that module declares nothing but a declaring module further out is on
 the stack, the cache may be the memory that ancestor declares (a declarer whose child builds the cache it
 declares): it is charged to the ancestor only if its first K/V tensor has the geometry of one of the ancestor's
-declarations (KV heads, head size, dtype), else to the module that made it, as undeclared. A declaring ancestor
+declarations (layers, KV heads, head size, dtype), else to the module that made it, as undeclared. A declaring ancestor
 can therefore never hide a cache of another shape under its ceiling. Paths are the `named_modules()` paths of the
 unwrapped model, as the collector records declaration owners.
 
@@ -30,11 +30,27 @@ ModuleRef = weakref.ref[Any]
 
 
 class Geometry(NamedTuple):
-    """What a K or V tensor shows of a cache's shape: KV heads, head size, dtype name (e.g. "float32")."""
+    """A declaration's shape, or what a cache shows of its own at its first K/V tensor: layers, KV heads, head
+    size, dtype name (e.g. "float32")."""
 
+    layers: int
     kv_heads: int
     head_dim: int
     dtype: str
+
+
+class Shape(NamedTuple):
+    """What a cache shows of its shape at its first tensor; `growing`: it appends layers as they are first used
+    (a plain DynamicCache), so `geometry.layers` is only how many it has so far."""
+
+    geometry: Geometry
+    growing: bool
+
+    def fits(self, declared: Geometry) -> bool:
+        shown = self.geometry
+        if shown[1:] != declared[1:]:
+            return False
+        return shown.layers <= declared.layers if self.growing else shown.layers == declared.layers
 
 
 class Attribution(NamedTuple):
@@ -80,8 +96,8 @@ class ModelMap:
     def describes(self, model: object, declared: Mapping[str, Collection[Geometry]]) -> bool:
         return self.root() is _unwrap(model) and self.declared == {o: frozenset(g) for o, g in declared.items()}
 
-    def declares(self, owner: str, geometry: Geometry) -> bool:
-        return geometry in self.declared.get(owner, ())
+    def declares(self, owner: str, shape: Shape) -> bool:
+        return any(shape.fits(declared) for declared in self.declared.get(owner, ()))
 
     def _build_sites(self, by_class: dict[type, list[str]], module_type: type[Any]) -> dict[int, _Site]:
         # By id, here too: two methods with the same name, line and body in different files compare equal.

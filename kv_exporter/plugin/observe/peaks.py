@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from types import CodeType, FrameType
 from typing import Any
 
-from kv_exporter.plugin.observe.owners import Geometry
+from kv_exporter.plugin.observe.owners import Geometry, Shape
 
 TENSOR_SLOTS = ("keys", "values")
 BIND_SEARCH_FRAMES = 8  # a layer's first tensor: the layer's method, its update, the cache's update, a helper
@@ -70,7 +70,7 @@ class Accounts:
     """Per owner: the bytes its caches hold (each storage once over all owners) and the most since `take_peaks`."""
 
     def __init__(
-        self, cache_of: Callable[[object], Any], owner_of: Callable[[Any, Callable[[], Geometry | None]], str]
+        self, cache_of: Callable[[object], Any], owner_of: Callable[[Any, Callable[[], Shape | None]], str]
     ) -> None:
         self._cache_of = cache_of  # the entry of a tracked cache object, or None
         self._owner_of = owner_of  # the owner to charge an entry's storage to (deciding it, by geometry, at its first)
@@ -144,7 +144,7 @@ class Accounts:
             return pointer
         tally = record.tally
         if tally is None:
-            tally = record.tally = self._tally(self._owner_of(record.entry, lambda: _geometry(tensor)))
+            tally = record.tally = self._tally(self._owner_of(record.entry, lambda: _shape(record.entry(), tensor)))
         self._held[pointer] = _Held(nbytes, tally)
         tally.current += nbytes
         if tally.current > tally.peak:
@@ -227,9 +227,11 @@ def _storage(tensor: Any) -> tuple[int, int]:
     return (storage.data_ptr(), nbytes) if nbytes else (0, 0)
 
 
-def _geometry(tensor: Any) -> Geometry | None:
-    """(KV heads, head size, dtype) of a K or V tensor shaped [batch, heads, positions, head size]."""
-    shape = tensor.shape
-    if len(shape) != 4:
+def _shape(cache: object, tensor: Any) -> Shape | None:
+    """A cache's shape from its layer list and a K or V tensor shaped [batch, heads, positions, head size]."""
+    shape, layers = tensor.shape, getattr(cache, "layers", None)
+    if len(shape) != 4 or not isinstance(layers, list):
         return None
-    return Geometry(int(shape[1]), int(shape[3]), str(tensor.dtype).removeprefix("torch."))
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    growing = getattr(cache, "layer_class_to_replicate", None) is not None
+    return Shape(Geometry(len(layers), int(shape[1]), int(shape[3]), dtype), growing)

@@ -17,7 +17,7 @@ from types import FrameType
 from typing import Any
 
 from kv_exporter.observation import UNATTRIBUTED_OWNER
-from kv_exporter.plugin.observe.owners import Attribution, Geometry, ModelMap, ModuleRef, StackModules
+from kv_exporter.plugin.observe.owners import Attribution, Geometry, ModelMap, ModuleRef, Shape, StackModules
 from kv_exporter.plugin.observe.peaks import TENSOR_SLOTS, Accounts
 from kv_exporter.plugin.oncelog import warn_once
 
@@ -56,12 +56,12 @@ class Registry:
         entry = self.by_cache.get(id(cache))
         return entry if entry is not None and entry() is cache else None
 
-    def _charge(self, entry: Entry, geometry: Callable[[], Geometry | None]) -> str:
+    def _charge(self, entry: Entry, shape_of: Callable[[], Shape | None]) -> str:
         """The owner a new storage of `entry`'s cache is charged to; its first tensor settles a candidate."""
         candidate = entry.candidate
         if candidate is not None and entry.owner is not None:
             entry.candidate = None
-            model, shape = self.model, geometry()
+            model, shape = self.model, shape_of()
             if shape is not None and model is not None and model.declares(candidate, shape):
                 entry.owner = candidate
         return UNATTRIBUTED_OWNER if entry.owner is None else entry.owner  # as the sampler says before `attach`
