@@ -169,10 +169,12 @@ class Accounts:
     # -- samples --------------------------------------------------------------------------------------------------
 
     def take_peaks(self) -> dict[str, int]:
-        """owner -> the most its caches held since the last call; starts the next interval at what they hold now."""
+        """owner -> the most its caches held since the last call, for the owners that held anything; starts the
+        next interval at what they hold now."""
         peaks = {}
         for owner, tally in list(self.tallies.items()):
-            peaks[owner] = tally.peak
+            if tally.peak:
+                peaks[owner] = tally.peak
             tally.peak = tally.current
         return peaks
 
