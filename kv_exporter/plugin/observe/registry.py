@@ -311,8 +311,10 @@ def _store(obj: Any, name: str, value: Any) -> None:
         object.__setattr__(obj, name, value)
 
 
-# class -> the attribute names a store must leave to object.__setattr__ (data descriptors: properties, slots).
-_GUARDED: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+# class -> the attribute names a store must leave to object.__setattr__ (data descriptors: properties, slots). A plain
+# dict: a lookup on every attribute store of a cache or layer (a WeakKeyDictionary's costs ~0.5 us), and cache
+# classes are few and live as long as the process.
+_GUARDED: dict[type, frozenset[str]] = {}
 
 
 def _guarded_names(cls: type) -> frozenset[str]:
