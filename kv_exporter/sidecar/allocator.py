@@ -11,8 +11,14 @@ Smaller blocks come from a heap, one per thread that allocates (the collection's
 block below a live one stays resident: a heap is trimmed only from its top, and `malloc_trim` only madvises the free
 blocks inside. After a folder of 1 MiB manifests was parsed and removed, ~23 MB of free blocks stayed in two thread
 heaps, pinned by a few small live ones (docs/reliability.md, "Memory"). So after a collection, when glibc's heaps
-hold more than FREE_SLACK_BYTES free, `malloc_trim` hands it back. Other C libraries (musl) have neither call:
-nothing to do there.
+hold more than FREE_SLACK_BYTES free that was not already handed back, `malloc_trim` hands it back. Other C
+libraries (musl) have neither call: nothing to do there.
+
+mallinfo2 counts a free block whether its pages are resident or were already handed back: after one trim the heaps
+still count the returned blocks as free, and testing the free total alone trimmed on every scrape after. So the
+last trim's figures are the baseline: there is memory to return when the free total has grown past what that trim
+left (live memory freed since), or when the process has grown resident while that much is free (returned blocks
+reused and freed again are resident again, with the free total back where it was).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+import threading
 from functools import cache
 
 log = logging.getLogger(__name__)
@@ -77,14 +85,38 @@ def free_heap_bytes() -> int | None:
     return None if libc is None else int(libc.mallinfo2().fordblks)
 
 
+class _Returned:
+    """What the last trim left: the free heap bytes (all handed back, at most) and the resident bytes."""
+
+    lock = threading.Lock()
+    free_bytes = 0
+    resident_bytes = 0
+
+
+def resident_bytes() -> int:
+    """The process's resident memory (/proc/self/statm); 0 where /proc does not show it."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def return_free_memory(slack_bytes: int = FREE_SLACK_BYTES) -> bool:
-    """Hand glibc's free heap memory back to the system when there is more than `slack_bytes` of it; True if it
-    did. mallinfo2 walks the free lists (~8 us with 40 MB in fragments); the trim runs only after a large input."""
-    free = free_heap_bytes()
-    if free is None or free <= slack_bytes:
-        return False
+    """Hand glibc's free heap memory back to the system when more than `slack_bytes` of it can be returned (see
+    the module docstring); True if it did. mallinfo2 walks the free lists (~8 us with 40 MB in fragments); the trim
+    runs only after a large input."""
     libc = _glibc()
-    assert libc is not None
-    libc.malloc_trim(0)
+    if libc is None:
+        return False
+    with _Returned.lock:
+        free, resident = int(libc.mallinfo2().fordblks), resident_bytes()
+        _Returned.free_bytes = min(_Returned.free_bytes, free)  # returned blocks reused since
+        freed = free - _Returned.free_bytes > slack_bytes
+        regrown = free > slack_bytes and resident - _Returned.resident_bytes > slack_bytes
+        if not (freed or regrown):
+            return False
+        libc.malloc_trim(0)
+        _Returned.free_bytes, _Returned.resident_bytes = int(libc.mallinfo2().fordblks), resident_bytes()
     log.debug("returned free heap memory: %d bytes were free", free)
     return True

@@ -24,16 +24,43 @@ _MAX_SHARED_FORMATS = 16  # formats with a shared rendering; others (odd Accept 
 Encoder = Callable[[Collector], bytes]
 
 
+def wants_gzip(accept_encoding: str | None) -> bool:
+    """Whether `Accept-Encoding` (RFC 9110 12.5.3: tokens with q-values) takes gzip: `gzip` (or `x-gzip`) with a
+    q-value above 0, or `*` above 0 when gzip is not named. A substring test gave gzip to `notgzip`."""
+    named: dict[str, float] = {}
+    for item in (accept_encoding or "").split(","):
+        token, *params = (part.strip() for part in item.split(";"))
+        named[token.lower()] = _quality(params)
+    gzip_q = max((named[t] for t in ("gzip", "x-gzip") if t in named), default=None)
+    return (gzip_q if gzip_q is not None else named.get("*", 0.0)) > 0
+
+
+def _quality(params: list[str]) -> float:
+    """The q parameter (1 when absent); a malformed one refuses the coding."""
+    for param in params:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "q":
+            try:
+                q = float(value.strip())
+            except ValueError:
+                return 0.0
+            return q if 0.0 <= q <= 1.0 else 0.0
+    return 1.0
+
+
 class ExporterApp:
     """The endpoints' content, independent of the HTTP plumbing."""
 
-    def __init__(self, collection: Collection, telemetry_path: str = DEFAULT_TELEMETRY_PATH) -> None:
+    def __init__(
+        self, collection: Collection, telemetry_path: str = DEFAULT_TELEMETRY_PATH, exporter_metrics: bool = True
+    ) -> None:
         self.collection = collection
         self.telemetry_path = telemetry_path
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(KVCollector(collection))
-        # The exporter's own process, as every Python exporter reports it: process_*, python_info, python_gc_*.
-        for own in (ProcessCollector, PlatformCollector, GCCollector):
+        # The exporter's own process, as every Python exporter reports it: process_*, python_info, python_gc_*;
+        # left out by --web.disable-exporter-metrics, as node_exporter leaves out its process_*, go_*, promhttp_*.
+        for own in (ProcessCollector, PlatformCollector, GCCollector) if exporter_metrics else ():
             own(registry=self.registry)
         self.exposition = Exposition()
         self._pages: dict[tuple[str, bool], SingleFlight[bytes]] = {}
@@ -41,7 +68,7 @@ class ExporterApp:
 
     def metrics(self, accept: str | None, accept_encoding: str | None) -> tuple[bytes, dict[str, str]]:
         encoder, content_type = choose_encoder(accept or "")
-        compressed = "gzip" in (accept_encoding or "")
+        compressed = wants_gzip(accept_encoding)
         body = self._page(encoder, content_type, compressed)()
         headers = {"Content-Type": content_type}
         if compressed:

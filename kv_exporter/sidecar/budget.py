@@ -8,16 +8,17 @@ strings at their limits (256 characters a name, 1,024 a prose field) the series 
 declarations of ~13 KB of text each; the label budget keeps the page to the size a real one reaches at the series
 cap (docs/metrics.md, "Limits").
 
-Manifests come first, oldest first (by `written_at`, then path): the first one that does not fit and every newer
-one are left out whole (part of a manifest would understate its engine without saying so), so the series Prometheus
-already has stay and a runaway declarer or a burst of new engines loses its own. Engines only a page brings in
-(running, but declaring nothing here) then fill what is left, in key order, on the same rule. The rule depends only
-on the files and the pages, so the same ones stay out scrape after scrape.
+Manifests come first, in file-name order: the name is derived from the engine's identity and ranks
+(`manifest.manifest_filename`), so it stays the same from scrape to scrape while the sampler rewrites the rest, and
+nothing a declarer writes inside the file (its `written_at`, its size) moves it ahead of the others. Each manifest
+that does not fit in what is left is left out whole (part of a manifest would understate its engine without saying
+so) and alone: the ones after it still go in if they fit, so one runaway manifest loses its own series and nobody
+else's. Engines only a page brings in (running, but declaring nothing here) then fill what is left, in key order, on
+the same rule. The rule depends only on the files and the pages, so the same ones stay out scrape after scrape.
 """
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -148,23 +149,21 @@ class _Budget:
         return True
 
 
-def _age(entry: ManifestEntry) -> tuple[float, str]:
-    return (entry.manifest.written_at if entry.manifest else 0.0, entry.path)
-
-
-def _fitting(budget: _Budget, costs: Iterable[Cost]) -> int:
-    """How many of `costs` the budget takes, from the first, until one does not fit."""
-    return sum(1 for _ in itertools.takewhile(budget.take, costs))
+def _fitting(budget: _Budget, costs: Iterable[Cost]) -> list[bool]:
+    """Whether the budget takes each of `costs`, in order: one that does not fit is skipped, not a stop."""
+    return [budget.take(cost) for cost in costs]
 
 
 def limit_series(entries: Sequence[ManifestEntry], page_keys: Collection[EngineKey], cap: SeriesCap) -> Limited:
     """The live manifests, then the engines among `page_keys` that no live manifest declares, under `cap`."""
     budget = _Budget(cap)
-    live = sorted((e for e in entries if e.live and e.manifest is not None), key=_age)
-    fit = _fitting(budget, (manifest_cost(e.manifest) for e in live if e.manifest))
-    kept, dropped = live[:fit], live[fit:]
+    live = sorted((e for e in entries if e.live and e.manifest is not None), key=lambda e: e.path)
+    fits = _fitting(budget, (manifest_cost(e.manifest) for e in live if e.manifest))
+    kept = [e for e, fit in zip(live, fits, strict=True) if fit]
+    dropped = [e for e, fit in zip(live, fits, strict=True) if not fit]
     # An engine whose manifests were left out is left out with them, not shown as one that declares nothing.
     declared = {engine_key(e.manifest) for e in live if e.manifest}
     only_paged = sorted(set(page_keys) - declared)
     shown = _fitting(budget, map(page_engine_cost, only_paged))
-    return Limited(kept, dropped, frozenset(only_paged[:shown]), len(only_paged) - shown)
+    kept_paged = frozenset(key for key, fit in zip(only_paged, shown, strict=True) if fit)
+    return Limited(kept, dropped, kept_paged, len(only_paged) - len(kept_paged))

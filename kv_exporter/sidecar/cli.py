@@ -13,11 +13,11 @@ from kv_exporter.manifest import DEFAULT_LIMITS, DEFAULT_MANIFEST_DIR
 from kv_exporter.sidecar.app import DEFAULT_TELEMETRY_PATH, ExporterApp
 from kv_exporter.sidecar.buildinfo import build_info
 from kv_exporter.sidecar.collection import DEFAULT_COLLECTION_TIMEOUT_S
-from kv_exporter.sidecar.connection import DEFAULT_MAX_CONNECTIONS, Limits
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
 from kv_exporter.sidecar.http import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
 from kv_exporter.sidecar.logs import FORMATS, LEVELS, setup_logging
 from kv_exporter.sidecar.stopping import StopRequest
+from kv_exporter.transport.connection import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_REQUESTS, Limits
 
 log = logging.getLogger("kv_exporter")
 
@@ -78,6 +78,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 class _Version(argparse.Action):
     """--version as one unwrapped line (argparse's own action wraps it at the terminal width)."""
 
@@ -92,14 +99,17 @@ class _Version(argparse.Action):
 class _Deprecated(argparse.Action):
     """An old spelling of an option: it still works, hidden from --help, and says which spelling replaced it."""
 
-    def __init__(self, option_strings: Sequence[str], dest: str, replacement: str, **kwargs: Any) -> None:
+    def __init__(
+        self, option_strings: Sequence[str], dest: str, replacement: str, append: bool = False, **kwargs: Any
+    ) -> None:
         self.replacement = replacement
+        self.append = append  # the new spelling is repeatable: add to its list
         super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
 
     def __call__(
         self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
     ) -> None:
-        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), values] if self.append else values)
         namespace.deprecated = [*getattr(namespace, "deprecated", []), (option, self.replacement)]
 
 
@@ -110,19 +120,30 @@ def _log_level(text: str) -> str:
     return level
 
 
-def _common(parser: argparse.ArgumentParser, default_listen: str) -> None:
+def _common(parser: argparse.ArgumentParser, default_listen: str, repeatable: bool = False) -> None:
     """The exporter-toolkit's own flags, spelled as node_exporter spells them (the old spellings still work)."""
+    if repeatable:  # node_exporter listens on each one given
+        parser.add_argument(
+            "--web.listen-address",
+            dest="listen_addresses",
+            type=_listen_address,
+            action="append",
+            metavar="ADDRESS",
+            help=f"[host]:port to serve on, repeatable: each one is served (default {default_listen})",
+        )
+        parser.set_defaults(default_listen_address=default_listen)
+    else:
+        parser.add_argument(
+            "--web.listen-address",
+            dest="listen_address",
+            type=_listen_address,
+            default=default_listen,
+            metavar="ADDRESS",
+            help=f"[host]:port to serve on (default {default_listen})",
+        )
     parser.add_argument(
-        "--web.listen-address",
-        dest="listen_address",
-        type=_listen_address,
-        default=default_listen,
-        metavar="ADDRESS",
-        help=f"[host]:port to serve on (default {default_listen})",
-    )
-    parser.add_argument(
-        "--listen-address", dest="listen_address", type=_listen_address, action=_Deprecated,
-        replacement="--web.listen-address",
+        "--listen-address", dest="listen_addresses" if repeatable else "listen_address", type=_listen_address,
+        action=_Deprecated, replacement="--web.listen-address", append=repeatable,
     )  # fmt: skip
     parser.add_argument(
         "--web.telemetry-path",
@@ -180,7 +201,7 @@ def _limits(serve: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_SERIES,
         help=f"cap on the series live manifests add ({SERIES_PER_DECLARATION} a declaration, {SERIES_PER_OWNER} an "
         f"owner, {SERIES_PER_ENGINE} an engine) and engines only a page shows ({SERIES_PER_PAGE_ENGINE} each); the "
-        "newest manifests past it are left out whole (default %(default)s)",
+        "manifest that would pass it is left out whole, alone, in file-name order (default %(default)s)",
     )
     serve.add_argument(
         "--max-label-bytes",
@@ -243,6 +264,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="exporter-toolkit web configuration (TLS, basic auth); needs the 'web' extra",
     )
     serve.add_argument(
+        "--web.systemd-socket",
+        dest="systemd_socket",
+        action="store_true",
+        help="serve on the sockets systemd passes (socket activation) instead of --web.listen-address",
+    )
+    serve.add_argument(
+        "--web.disable-exporter-metrics",
+        dest="exporter_metrics",
+        action="store_false",
+        help="leave the exporter's own process_* and python_* metrics out of the page",
+    )
+    serve.add_argument(
+        "--web.max-requests",
+        dest="max_requests",
+        type=_non_negative_int,
+        default=DEFAULT_MAX_REQUESTS,
+        metavar="N",
+        help="scrapes answered at once; past it, 503 (0: no limit; default %(default)s)",
+    )
+    serve.add_argument(
         "--web.max-connections",
         dest="max_connections",
         type=_positive_int,
@@ -251,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="connections held at once; past it, the one waiting longest for a request is dropped (default "
         "%(default)s)",
     )
-    _common(serve, DEFAULT_LISTEN_ADDRESS)
+    _common(serve, DEFAULT_LISTEN_ADDRESS, repeatable=True)
+    serve.add_argument("--version", action=_Version, help="show the version, revision and Python, and exit")
 
     report = commands.add_parser("report", help="print the declarations in a manifest folder, beside what they hold")
     report.add_argument(
@@ -271,7 +313,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kv_exporter.manifest import ManifestLimits
     from kv_exporter.sidecar.allocator import keep_large_blocks_returnable
     from kv_exporter.sidecar.collection import Collection, CollectionSettings
-    from kv_exporter.sidecar.http import serve_in_thread, server_url
+    from kv_exporter.sidecar.http import serve_in_thread, server_urls
 
     grace_s = args.engine_timeout + SHUTDOWN_MARGIN_S
     stop = StopRequest.install(bound_s=grace_s + STOP_MARGIN_S)
@@ -293,14 +335,19 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     collection = Collection(settings, reader)
     try:
-        server = _listen(args, ExporterApp(collection, args.telemetry_path))
+        server = _listen(args, ExporterApp(collection, args.telemetry_path, args.exporter_metrics))
+    except MissingExtra as exc:
+        collection.close()
+        print(f"kv-exporter: {exc}", file=sys.stderr)
+        return 1
     except (OSError, ValueError) as exc:  # WebConfigError is a ValueError
         collection.close()
-        print(f"kv-exporter: cannot serve on {args.listen_address}: {exc}", file=sys.stderr)
+        where = "systemd's sockets" if args.systemd_socket else ", ".join(_listen_addresses(args))
+        print(f"kv-exporter: cannot serve on {where}: {exc}", file=sys.stderr)
         return 1
     serve_in_thread(server)
-    log.info("serving %s%s (manifests in %s, %d engine page(s))", server_url(server), args.telemetry_path,
-             args.manifest_dir, len(settings.targets))  # fmt: skip
+    served = " ".join(url + args.telemetry_path for url in server_urls(server))
+    log.info("serving %s (manifests in %s, %d engine page(s))", served, args.manifest_dir, len(settings.targets))
     try:
         stop.wait()
     finally:
@@ -314,18 +361,32 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class MissingExtra(Exception):
+    """An option needs an optional dependency that is not installed; the message names the extra."""
+
+
+def _listen_addresses(args: argparse.Namespace) -> list[str]:
+    return args.listen_addresses or [args.default_listen_address]
+
+
 def _listen(args: argparse.Namespace, app: ExporterApp) -> ExporterServer:
-    """The HTTP server, with the exporter-toolkit web configuration when one is given."""
-    from kv_exporter.sidecar.http import build_server
+    """The HTTP server on each listen address (or systemd's sockets), with the exporter-toolkit web configuration
+    when one is given."""
+    from kv_exporter.sidecar.http import build_server, systemd_sockets
 
-    limits = Limits(max_connections=args.max_connections)
-    if not args.web_config_file:
-        return build_server(args.listen_address, app, limits=limits)
-    from kv_exporter.web.reload import ReloadStatusCollector, WebConfigReloader
-
-    reloader = WebConfigReloader(args.web_config_file)  # refuses to start on a bad file, as the toolkit does
-    app.registry.register(ReloadStatusCollector(reloader))
-    return build_server(args.listen_address, app, reloader, limits)
+    limits = Limits(max_connections=args.max_connections, max_requests=args.max_requests)
+    reloader = None
+    if args.web_config_file:
+        try:
+            from kv_exporter.web.reload import ReloadStatusCollector, WebConfigReloader
+        except ImportError as exc:  # pyyaml or bcrypt
+            raise MissingExtra(
+                f"--web.config.file needs the 'web' extra (pip install 'kv-exporter[web]'): {exc}"
+            ) from None
+        reloader = WebConfigReloader(args.web_config_file)  # refuses to start on a bad file, as the toolkit does
+        app.registry.register(ReloadStatusCollector(reloader))
+    where = systemd_sockets() if args.systemd_socket else _listen_addresses(args)
+    return build_server(where, app, reloader, limits)
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -186,8 +186,8 @@ class Collection:
         if paths or engines:
             shown = ", ".join(map(printable, paths[:3])) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
             log.warning(
-                "series cap reached (--max-series %d, --max-label-bytes %d): %d live manifest(s) left out, the "
-                "newest (%s); %d engine(s) that only a page shows left out",
+                "series cap reached (--max-series %d, --max-label-bytes %d): %d live manifest(s) left out "
+                "(%s); %d engine(s) that only a page shows left out",
                 self.settings.max_series, self.settings.max_label_bytes, len(paths), shown or "none", engines,
             )  # fmt: skip
         else:

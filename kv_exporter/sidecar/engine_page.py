@@ -24,13 +24,14 @@ from __future__ import annotations
 import base64
 import math
 import re
+import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kv_exporter.document import MAX_SAFE_INT, DocumentError, check_text
 from kv_exporter.printable import DETAIL_MAX_CHARS, printable
-from kv_exporter.sidecar.fetch import FETCH_ERROR_REASONS, FetchError, get
+from kv_exporter.transport.fetch import FETCH_ERROR_REASONS, TIMEOUT, FetchError, get
 
 STAGE_METRIC = b"vllm:num_requests_running"
 PIPELINE_METRIC = b"vllm_omni:num_requests_running"
@@ -88,11 +89,18 @@ class EnginePage:
         return 0 if pipeline == 0 else value
 
 
-def scan_page(data: bytes) -> EnginePage:
-    """Read the running-count series out of a Prometheus text-format page."""
+# Series read between looks at the clock: ~20 ms of scanning (~80 us a series here).
+_SERIES_PER_CLOCK_CHECK = 256
+
+
+def scan_page(data: bytes, deadline: float | None = None) -> EnginePage:
+    """Read the running-count series out of a Prometheus text-format page; `timeout` past `deadline` (monotonic):
+    a page under --engine-max-bytes can hold ~50,000 series, seconds of scanning that the engine deadline bounds."""
     running: dict[EngineKey, int] = {}
     pipeline: dict[str, int] = {}
-    for start in _series_starts(data):
+    for count, start in enumerate(_series_starts(data), 1):
+        if deadline is not None and count % _SERIES_PER_CLOCK_CHECK == 0 and time.monotonic() > deadline:
+            raise EnginePageError(TIMEOUT, f"reading the page's series passed the deadline after {count} series")
         match = _SERIES.match(data, start)
         if match is None:
             raise EnginePageError("malformed", _show(data, start))
@@ -211,7 +219,9 @@ def _engine_key(labels: dict[str, str]) -> EngineKey:
 
 @dataclass(frozen=True)
 class EngineTarget:
-    """A configured engine metrics URL. `target` is the URL without credentials (safe as a label)."""
+    """A configured engine metrics URL: `url` is what is fetched (a query string an engine needs stays in it),
+    `target` the label and what logs show: scheme, host, port and path only, so neither credentials in the userinfo
+    nor a `?token=` end up in Prometheus."""
 
     url: str
     target: str
@@ -226,13 +236,14 @@ class EngineTarget:
         if parts.port is not None:
             netloc = f"{netloc}:{parts.port}"
         path = parts.path or "/metrics"  # a bare engine address means its /metrics page
-        clean = urllib.parse.urlunsplit((parts.scheme, netloc, path, parts.query, ""))
+        fetched = urllib.parse.urlunsplit((parts.scheme, netloc, path, parts.query, ""))  # no fragment: never sent
+        shown = urllib.parse.urlunsplit((parts.scheme, netloc, path, "", ""))
         auth = None
         if parts.username is not None:
             user = urllib.parse.unquote(parts.username)
             password = urllib.parse.unquote(parts.password or "")
             auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-        return cls(url=clean, target=clean, authorization=auth)
+        return cls(url=fetched, target=shown, authorization=auth)
 
 
 def fetch_page(
@@ -255,6 +266,7 @@ def fetch_page(
 def read_engine(
     target: EngineTarget, timeout_s: float = DEFAULT_TIMEOUT_S, max_bytes: int = DEFAULT_MAX_PAGE_BYTES
 ) -> EnginePage:
-    """Fetch and scan one engine page; raises only EnginePageError."""
+    """Fetch and scan one engine page, both within `timeout_s`; raises only EnginePageError."""
+    deadline = time.monotonic() + timeout_s
     data = fetch_page(target, timeout_s, max_bytes)
-    return scan_page(data)
+    return scan_page(data, deadline)

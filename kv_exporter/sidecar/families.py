@@ -243,7 +243,7 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
     dropped = GaugeMetricFamily(
         "model_local_kv_series_limit_dropped_manifests",
         "Live manifests left out of this page because their series would exceed --max-series or "
-        "--max-label-bytes (newest first).",
+        "--max-label-bytes (each left out alone, in file-name order).",
         value=len(snapshot.series_dropped),
     )
     engines_dropped = GaugeMetricFamily(

@@ -9,10 +9,11 @@ the path, as behind the toolkit's middleware.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
@@ -20,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import FlightTimeout
-from kv_exporter.sidecar.connection import Connection, Limits
-from kv_exporter.sidecar.connections import ConnectionLoop
-from kv_exporter.sidecar.request_head import Request
+from kv_exporter.transport.connection import Connection, Limits
+from kv_exporter.transport.connections import ConnectionLoop
+from kv_exporter.transport.request_head import Request
 
 if TYPE_CHECKING:  # the web extra (pyyaml, bcrypt) is needed only with --web.config.file
     import ssl
@@ -42,7 +43,12 @@ MAX_WORKERS = 64
 # lost SYNs and waited out the 1 s retransmit: 32 scrapers connecting at once saw ~2 s first scrapes
 # (docs/benchmarks.md, target 5).
 LISTEN_BACKLOG = 128
+# Requests whose credential is not cached yet (a bcrypt check) are answered by a thread of their own: bcrypt runs one
+# at a time (web/auth.py), and 200 clients with wrong passwords once held every worker waiting for it, so that a
+# verified scraper and /healthz waited 5-10 s.
+PASSWORD_CHECK_WORKERS = 1
 _TEXT = "text/plain; charset=utf-8"
+HEALTH_ANSWERS = {"/-/healthy": b"kv-exporter is Healthy.\n", "/-/ready": b"kv-exporter is Ready.\n"}
 _INTERNAL_ERROR_TEXT = b"internal error, see the exporter log\n"
 _INTERNAL_ERROR = b"HTTP/1.1 500 Internal Server Error\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (
     len(_INTERNAL_ERROR_TEXT),
@@ -58,26 +64,35 @@ class Answer:
 
 
 class ExporterServer:
-    """Serves `app` on `listener`: `serve_forever` in one thread, `stop` (or `shutdown`, `server_close`) in another."""
+    """Serves `app` on `listeners` (one or more, as node_exporter listens on each --web.listen-address):
+    `serve_forever` in one thread, `stop` (or `shutdown`, `server_close`) in another."""
 
     def __init__(
         self,
-        listener: socket.socket,
+        listeners: socket.socket | Sequence[socket.socket],
         app: ExporterApp,
         web_config: WebConfigReloader | None = None,
         limits: Limits = Limits(),  # noqa: B008  # frozen: one shared default is safe
     ) -> None:
+        listeners = [listeners] if isinstance(listeners, socket.socket) else list(listeners)
         self.app = app
         self.web_config = web_config
-        self.server_address: tuple[str, int] = listener.getsockname()[:2]
+        self.server_addresses: list[tuple[str, int]] = [listener.getsockname()[:2] for listener in listeners]
+        self.server_address = self.server_addresses[0]
         self._jobs: queue.SimpleQueue[tuple[Connection, Request] | None] = queue.SimpleQueue()
+        self._password_jobs: queue.SimpleQueue[tuple[Connection, Request] | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
+        self._password_workers: list[threading.Thread] = []
         self._idle_workers = 0
         self._workers_lock = threading.Lock()
-        self._loop = ConnectionLoop(listener, self._submit, self._tls, limits)
+        self._loop = ConnectionLoop(listeners, self._submit, self._tls, limits)
+        self._max_requests = limits.max_requests
+        self._scrape_slots = threading.BoundedSemaphore(limits.max_requests) if limits.max_requests else None
 
-    def web_config_now(self) -> WebConfig | None:
-        return None if self.web_config is None else self.web_config.current()
+    def web_config_now(self, wait_s: float | None = None) -> WebConfig | None:
+        if self.web_config is None:
+            return None
+        return self.web_config.current() if wait_s is None else self.web_config.current(wait_s)
 
     def serve_forever(self) -> None:
         try:
@@ -86,6 +101,8 @@ class ExporterServer:
             with self._workers_lock:
                 for _ in self._workers:
                     self._jobs.put(None)
+                for _ in self._password_workers:
+                    self._password_jobs.put(None)
 
     def shutdown(self) -> None:
         """Stop `serve_forever`, closing every connection at once."""
@@ -105,24 +122,40 @@ class ExporterServer:
         return finished
 
     def _tls(self) -> tuple[ssl.SSLContext, frozenset[str] | None] | None:
-        """Per new connection: a reloaded config (a rotated certificate) applies from the next one on."""
-        config = self.web_config_now()
+        """Per new connection: a reloaded config (a rotated certificate) applies from the next one on. Called by
+        the connection loop, which never waits for a check of the files."""
+        config = self.web_config_now(wait_s=0)
         context = None if config is None else config.ssl_context()
         return None if config is None or context is None else (context, config.allowed_sans)
 
     def _submit(self, conn: Connection, request: Request) -> None:
+        if self._needs_password_check(request):
+            self._password_jobs.put((conn, request))
+            with self._workers_lock:
+                if len(self._password_workers) < PASSWORD_CHECK_WORKERS:
+                    worker = threading.Thread(target=self._work, args=(self._password_jobs, False),
+                                              name="kv-exporter-password", daemon=True)  # fmt: skip
+                    self._password_workers.append(worker)
+                    worker.start()
+            return
         self._jobs.put((conn, request))
         with self._workers_lock:
             if self._idle_workers:
                 self._idle_workers -= 1  # that worker's job now
             elif len(self._workers) < MAX_WORKERS:
                 # A daemon: a worker stuck in a collection that never returns must not hold up the exit.
-                worker = threading.Thread(target=self._work, name=f"kv-exporter-{len(self._workers)}", daemon=True)
+                name = f"kv-exporter-{len(self._workers)}"
+                worker = threading.Thread(target=self._work, args=(self._jobs, True), name=name, daemon=True)
                 self._workers.append(worker)
                 worker.start()
 
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
+    def _needs_password_check(self, request: Request) -> bool:
+        """On the connection loop: whether answering would run bcrypt (never waiting for a web config check)."""
+        config = self.web_config_now(wait_s=0)
+        return config is not None and config.known_auth(request.header("Authorization")) is None
+
+    def _work(self, jobs: queue.SimpleQueue[tuple[Connection, Request] | None], pooled: bool) -> None:
+        while (job := jobs.get()) is not None:
             conn, request = job
             try:
                 data, close = self._serve(request)
@@ -130,8 +163,9 @@ class ExporterServer:
                 log.exception("error answering %s", request.path)
                 data, close = (_INTERNAL_ERROR,), True
             self._loop.answer(conn, data, close)
-            with self._workers_lock:
-                self._idle_workers += 1
+            if pooled:
+                with self._workers_lock:
+                    self._idle_workers += 1
 
     def _serve(self, request: Request) -> tuple[tuple[bytes, ...], bool]:
         config = self.web_config_now()
@@ -157,8 +191,18 @@ class ExporterServer:
     def _route(self, path: str, request: Request) -> Answer:
         app = self.app
         if path == app.telemetry_path:
-            body, headers = app.metrics(request.header("Accept"), request.header("Accept-Encoding"))
+            slots = self._scrape_slots
+            if slots is not None and not slots.acquire(blocking=False):
+                text = f"Limit of concurrent requests reached ({self._max_requests}), try again later.\n"
+                return Answer(503, text.encode())  # promhttp's answer past --web.max-requests
+            try:
+                body, headers = app.metrics(request.header("Accept"), request.header("Accept-Encoding"))
+            finally:
+                if slots is not None:
+                    slots.release()
             return Answer(200, body, headers)
+        if path in HEALTH_ANSWERS:  # Prometheus' own: the process serves (and, being up, is ready)
+            return Answer(200, HEALTH_ANSWERS[path])
         if path == "/healthz":
             trouble = app.trouble()
             return Answer(503, f"unhealthy: {trouble}\n".encode()) if trouble else Answer(200, b"ok\n")
@@ -193,12 +237,7 @@ def parse_listen_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def build_server(
-    listen_address: str,
-    app: ExporterApp,
-    web_config: WebConfigReloader | None = None,
-    limits: Limits = Limits(),  # noqa: B008
-) -> ExporterServer:
+def listen(listen_address: str) -> socket.socket:
     host, port = parse_listen_address(listen_address)
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -208,7 +247,41 @@ def build_server(
     except OSError:
         listener.close()
         raise
-    return ExporterServer(listener, app, web_config, limits)
+    return listener
+
+
+SYSTEMD_FIRST_FD = 3  # sd_listen_fds(3): the passed sockets start at SD_LISTEN_FDS_START
+
+
+def systemd_sockets(environ: Mapping[str, str] | None = None) -> list[socket.socket]:
+    """The listening sockets systemd passed (socket activation: LISTEN_PID, LISTEN_FDS), as
+    `--web.systemd-socket` takes them; ValueError when there are none for this process."""
+    env = os.environ if environ is None else environ
+    if env.get("LISTEN_PID") != str(os.getpid()) or not env.get("LISTEN_FDS", "").isdigit():
+        raise ValueError("no sockets passed by systemd (LISTEN_PID, LISTEN_FDS) to this process")
+    count = int(env["LISTEN_FDS"])
+    if count < 1:
+        raise ValueError("systemd passed no sockets (LISTEN_FDS=0)")
+    return [socket.socket(fileno=fd) for fd in range(SYSTEMD_FIRST_FD, SYSTEMD_FIRST_FD + count)]
+
+
+def build_server(
+    listen_address: str | Sequence[str] | Sequence[socket.socket],
+    app: ExporterApp,
+    web_config: WebConfigReloader | None = None,
+    limits: Limits = Limits(),  # noqa: B008
+) -> ExporterServer:
+    """A server on each address (or on the given listening sockets: systemd's)."""
+    wanted: list[str | socket.socket] = [listen_address] if isinstance(listen_address, str) else [*listen_address]
+    listeners: list[socket.socket] = []
+    try:
+        for item in wanted:
+            listeners.append(item if isinstance(item, socket.socket) else listen(item))
+    except OSError:
+        for listener in listeners:
+            listener.close()
+        raise
+    return ExporterServer(listeners, app, web_config, limits)
 
 
 def serve_in_thread(server: ExporterServer) -> threading.Thread:
@@ -217,8 +290,16 @@ def serve_in_thread(server: ExporterServer) -> threading.Thread:
     return thread
 
 
+def server_urls(server: ExporterServer) -> list[str]:
+    return [_url(address) for address in server.server_addresses]
+
+
 def server_url(server: ExporterServer) -> str:
-    host, port = server.server_address
+    return _url(server.server_address)
+
+
+def _url(address: tuple[str, int]) -> str:
+    host, port = address
     shown = "localhost" if host in ("0.0.0.0", "::") else str(host)
     shown = f"[{shown}]" if ":" in shown else shown
     return f"http://{shown}:{port}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import hmac
 import re
 import secrets
@@ -28,16 +27,19 @@ class BasicAuth:
     """Basic-auth check against bcrypt hashes, with a bounded cache of bcrypt results.
 
     A scrape every 15 s must not pay bcrypt (~50 ms at cost 10) each time, so results are cached per
-    (user, hash, password), like the toolkit. Cache keys are HMACs under a per-process random key: the cache
+    (user, hash, password), like the toolkit; matches and refusals in caches of their own, so that a flood of wrong
+    passwords cannot push a verified credential out. Cache keys are HMACs under a per-process random key: the cache
     never holds a password, and lookups reveal nothing through timing. Unknown users are checked against a
     dummy hash so that response times do not tell which users exist; bcrypt runs one at a time so a flood of
-    wrong passwords costs at most one core.
+    wrong passwords costs at most one core. `known` answers from the caches alone, so that the server can keep
+    requests that need bcrypt away from the workers that answer verified ones.
     """
 
     def __init__(self, users: Mapping[str, bytes]) -> None:
         self._users = dict(users)
         self._key = secrets.token_bytes(32)
-        self._cache: OrderedDict[bytes, bool] = OrderedDict()
+        self._matches: OrderedDict[bytes, None] = OrderedDict()
+        self._refusals: OrderedDict[bytes, None] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._bcrypt_lock = threading.Lock()
         self.bcrypt_calls = 0  # for tests and diagnostics: how often the cache missed
@@ -47,6 +49,13 @@ class BasicAuth:
         return bool(self._users)
 
     def check(self, authorization: str | None) -> bool:
+        return self._check(authorization, bcrypt_allowed=True) is True
+
+    def known(self, authorization: str | None) -> bool | None:
+        """The answer `check` gives without running bcrypt, or None when it would have to run it."""
+        return self._check(authorization, bcrypt_allowed=False)
+
+    def _check(self, authorization: str | None, bcrypt_allowed: bool) -> bool | None:
         if not self._users:
             return True
         credentials = parse_basic_authorization(authorization)
@@ -58,23 +67,30 @@ class BasicAuth:
         except UnicodeDecodeError:
             hashed = None
         # An unknown user still costs one bcrypt (cached), against a dummy hash, so timing hides who exists.
-        ok = self._cached_check(user, password[:BCRYPT_MAX_PASSWORD_BYTES], hashed or _dummy_hash())
-        return ok and hashed is not None
+        password = password[:BCRYPT_MAX_PASSWORD_BYTES]
+        key = hmac.new(self._key, b"\0".join((user, hashed or b"", password)), "sha256").digest()
+        ok = self._cached(key)
+        if ok is None and bcrypt_allowed:
+            ok = self._verify(key, password, hashed or _dummy_hash())
+        return None if ok is None else ok and hashed is not None
 
-    def _cached_check(self, user: bytes, password: bytes, hashed: bytes) -> bool:
-        key = hmac.new(self._key, b"\0".join((user, hashed, password)), hashlib.sha256).digest()
+    def _cached(self, key: bytes) -> bool | None:
         with self._cache_lock:
-            cached = self._cache.get(key)
-            if cached is not None:
-                self._cache.move_to_end(key)
-                return cached
+            for cache, result in ((self._matches, True), (self._refusals, False)):
+                if key in cache:
+                    cache.move_to_end(key)
+                    return result
+        return None
+
+    def _verify(self, key: bytes, password: bytes, hashed: bytes) -> bool:
         with self._bcrypt_lock:
             self.bcrypt_calls += 1
             ok = _bcrypt_matches(password, hashed)
         with self._cache_lock:
-            self._cache[key] = ok
-            while len(self._cache) > AUTH_CACHE_SIZE:
-                self._cache.popitem(last=False)
+            cache = self._matches if ok else self._refusals
+            cache[key] = None
+            while len(cache) > AUTH_CACHE_SIZE:
+                cache.popitem(last=False)
         return ok
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from kv_exporter.filestat import NotARegularFile, read_regular_file
 from kv_exporter.web.auth import BasicAuth, is_bcrypt_hash
 from kv_exporter.web.tls import (
     CLIENT_AUTH_TYPES,
@@ -107,9 +108,10 @@ class WebConfig:
     def load(cls, path: str | os.PathLike[str]) -> WebConfig:
         """Read, validate and build; raises `WebConfigError` for anything unusable."""
         source = Path(path)
-        try:
-            with open(source, "rb") as handle:
-                data = handle.read(MAX_CONFIG_BYTES + 1)
+        try:  # opened without blocking, as manifests are: a FIFO put in its place must not hang the reader
+            data = read_regular_file(str(source), MAX_CONFIG_BYTES + 1)
+        except NotARegularFile as exc:
+            raise WebConfigError(source, f"cannot read: {exc}") from exc
         except OSError as exc:
             raise WebConfigError(source, f"cannot read: {exc.strerror or exc}") from exc
         return cls.parse(data, source)
@@ -139,6 +141,10 @@ class WebConfig:
     def check_auth(self, authorization: str | None) -> bool:
         """True when no users are configured, or the `Authorization` header holds a valid user and password."""
         return self._auth.check(authorization)
+
+    def known_auth(self, authorization: str | None) -> bool | None:
+        """What `check_auth` answers without running bcrypt; None when it would run it (a credential not cached)."""
+        return self._auth.known(authorization)
 
     def watched_files(self) -> tuple[Path, ...]:
         return (self.path, *(self.tls.files() if self.tls is not None else ()))

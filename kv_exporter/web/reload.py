@@ -37,13 +37,22 @@ def _load_with_fingerprint(path: Path) -> tuple[WebConfig, _Fingerprint]:
     return config, before + _fingerprint(config.watched_files()[1:])
 
 
+# How long the request that finds a check due waits for it: a check reads a few small files (~1 ms), and tests
+# with a fake clock see its result at once. Every other request, and this one past the wait, gets the config in force.
+CHECK_WAIT_S = 0.2
+# A check still running after this long (a slow disk, an NFS server gone) is reported, and the old config serves on.
+STUCK_AFTER_S = 5.0
+
+
 class WebConfigReloader:
     """The current `WebConfig`, re-read when the file or a certificate it names changes.
 
     The first load raises `WebConfigError` (refuse to start, as the toolkit does). Later, a changed file is
-    re-read at most once per `interval`; an invalid new version is logged once and the last good config stays
-    in force. Whether TLS is on is fixed at start-up (the listener was built for it), so a change that turns it
-    on or off is refused until a restart.
+    re-read at most once per `interval`, in a thread of its own, so that no request waits on a slow disk for more
+    than CHECK_WAIT_S (the files are opened without blocking: a FIFO is refused at once); an invalid new version,
+    or a check stuck past STUCK_AFTER_S, is logged once and the last good config stays in force. Whether TLS is on
+    is fixed at start-up (the listener was built for it), so a change that turns it on or off is refused until a
+    restart.
     """
 
     def __init__(
@@ -56,9 +65,11 @@ class WebConfigReloader:
         self.path = Path(path)
         self._interval = interval
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held only to start a check or take its result, never during one
         self._config, self._fingerprint = _load_with_fingerprint(self.path)
         self._checked_at = clock()
+        self._check: threading.Thread | None = None
+        self._check_started = 0.0
         self._failed: _Fingerprint | None = None
         self.reloads = 0
         self.reload_failures = 0
@@ -68,15 +79,41 @@ class WebConfigReloader:
     def last_reload_ok(self) -> bool:
         return self.last_error is None
 
-    def current(self) -> WebConfig:
-        """The config in force; checks for changes when the last check is older than the interval."""
+    def current(self, wait_s: float = CHECK_WAIT_S) -> WebConfig:
+        """The config in force. When the last check is older than the interval, a new one starts and this caller
+        waits for it at most `wait_s` (0 for a caller that must never wait: the connection loop)."""
         if self._clock() - self._checked_at < self._interval:
             return self._config
         with self._lock:
-            if self._clock() - self._checked_at >= self._interval:
+            check = self._check
+            if check is None and self._clock() - self._checked_at >= self._interval:
                 self._checked_at = self._clock()
-                self._maybe_reload()
-            return self._config
+                self._check_started = time.monotonic()
+                check = self._check = threading.Thread(target=self._run_check, name="web-config-check", daemon=True)
+                check.start()
+        if check is not None:
+            if wait_s > 0:
+                check.join(wait_s)
+            if check.is_alive():
+                self._report_stuck()
+        return self._config
+
+    def _run_check(self) -> None:
+        try:
+            self._maybe_reload()
+        except Exception:  # a bug here must not end the checks for good
+            logger.exception("web config check failed")
+        finally:
+            with self._lock:
+                self._check = None
+
+    def _report_stuck(self) -> None:
+        running_s = time.monotonic() - self._check_started
+        if running_s < STUCK_AFTER_S or self.last_error is not None:
+            return
+        self.last_error = f"{self.path}: re-reading it has not finished for {running_s:.0f} s (a slow disk?)"
+        self.reload_failures += 1
+        logger.error("web config not reloaded, keeping the previous one: %s", self.last_error)
 
     def _maybe_reload(self) -> None:
         fingerprint = _fingerprint(self._config.watched_files())

@@ -1,4 +1,4 @@
-"""Coverage-guided fuzz target (atheris / libFuzzer) for the HTTP answer reader (`kv_exporter.sidecar.fetch`).
+"""Coverage-guided fuzz target (atheris / libFuzzer) for the HTTP answer reader (`kv_exporter.transport.fetch`).
 
 Run through `make fuzz` (scripts/fuzz.sh), or directly in .venv-fuzz:
     .venv-fuzz/bin/python tests/fuzz/fuzz_fetch.py -runs=100000 CORPUS_DIR

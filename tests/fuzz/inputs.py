@@ -17,7 +17,7 @@ from typing import Any
 from kv_exporter.manifest import READER_ERROR_REASONS, ManifestError, parse_manifest
 from kv_exporter.reference import REFERENCE_MODELS
 from kv_exporter.sidecar.engine_page import SCAN_ERROR_REASONS, EnginePageError, scan_page
-from kv_exporter.sidecar.fetch import FETCH_ERROR_REASONS, FetchError, get
+from kv_exporter.transport.fetch import FETCH_ERROR_REASONS, FetchError, get
 from tests.support.manifests import reference_manifest
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

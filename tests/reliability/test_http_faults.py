@@ -20,7 +20,7 @@ from typing import Any
 import bcrypt
 import pytest
 
-from kv_exporter.sidecar.connection import DEFAULT_MAX_CONNECTIONS, Limits
+from kv_exporter.transport.connection import DEFAULT_MAX_CONNECTIONS, Limits
 from tests.support.constants import REPO, SIMULATE_GPU
 from tests.support.fake_nvml import hanging_nvml
 from tests.support.net import basic_authorization, get

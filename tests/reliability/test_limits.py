@@ -89,12 +89,12 @@ def engine_named(name: str, written_at: float) -> Manifest:
     return dataclasses.replace(manifest, written_at=written_at)
 
 
-def test_total_series_cap_drops_the_newest_manifests_whole(tmp_path: Path) -> None:
+def test_total_series_cap_drops_the_last_manifests_by_file_name_whole(tmp_path: Path) -> None:
     folder = tmp_path / "m"
-    oldest, middle, newest = (engine_named(n, 1_764_480_000.0 + i) for i, n in enumerate(("a-old", "b-mid", "c-new")))
-    # Written in another order than their ages: `written_at` decides, not the files' mtimes.
-    paths = {m.engine.model_name: write_manifest(folder, m) for m in (newest, middle, oldest)}
-    cap = manifest_cost(oldest).series + manifest_cost(middle).series + 1
+    # Dated against their file-name order: the names decide, not `written_at` (which the writer sets).
+    first, second, third = (engine_named(n, 1_764_480_000.0 - i) for i, n in enumerate(("a-old", "b-mid", "c-new")))
+    paths = {m.engine.model_name: write_manifest(folder, m) for m in (third, second, first)}
+    cap = manifest_cost(first).series + manifest_cost(second).series + 1
     with sidecar(tmp_path, "--manifest-dir", str(folder), "--max-series", str(cap), *SIMULATE_GPU) as sc:
         for _ in range(3):
             s = sc.samples()
@@ -112,6 +112,27 @@ def test_total_series_cap_drops_the_newest_manifests_whole(tmp_path: Path) -> No
     log = sc.log()
     assert log.count("series cap reached (--max-series") == 1, log  # once when it starts, not per scrape
     assert log.count("series cap no longer reached") == 1, log
+
+
+@pytest.mark.parametrize("hog_name", ["0-hog", "z-hog"])
+def test_a_manifest_that_cannot_fit_is_left_out_alone(hog_name: str) -> None:
+    """Today's main: a hog dated 0 (taken first) left every other engine out; one that sorts first by name now
+    must not either. And rewriting `written_at` (as the sampler does) never changes who is left out."""
+    hog = dataclasses.replace(huge_manifest(0), written_at=0.0)
+    hog = dataclasses.replace(hog, engine=dataclasses.replace(hog.engine, model_name=hog_name))
+    others = [engine_named(n, 1_764_480_000.0 + i) for i, n in enumerate(("b-one", "c-two", "d-three"))]
+    cap = budget.SeriesCap(max_series=sum(manifest_cost(m).series for m in others) + 1)
+    assert manifest_cost(hog).series > cap.max_series - sum(manifest_cost(m).series for m in others)
+
+    def entry(manifest: Manifest) -> ManifestEntry:
+        return ManifestEntry(f"/m/{manifest.engine.model_name}.json", manifest, Verdict(State.LIVE, "test"))
+
+    for shift in (0.0, 5.0, -1e9):  # written_at moved by the writer between scrapes
+        entries = [entry(dataclasses.replace(m, written_at=m.written_at + shift)) for m in (hog, *others)]
+        limited = budget.limit_series(entries, (), cap)
+        assert [e.path for e in limited.dropped] == [f"/m/{hog_name}.json"]
+        assert sorted(e.manifest.engine.model_name for e in limited.kept if e.manifest) == ["b-one", "c-two",
+                                                                                           "d-three"]  # fmt: skip
 
 
 def test_the_series_accounting_matches_the_families() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from kv_exporter.sidecar.connection import Limits
+from kv_exporter.transport.connection import Limits
 from tests.support.exporter import Exporter, exporter
 from tests.support.raw_http import Answers, Exchange, closed_within, exchange
 

@@ -9,6 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv_exporter.sidecar.engine_page import (
+    DEFAULT_MAX_PAGE_BYTES,
     EngineKey,
     EnginePageError,
     EngineTarget,
@@ -17,8 +18,10 @@ from kv_exporter.sidecar.engine_page import (
     scan_page,
 )
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
+from tests.support.exporter import exporter, simulated_gpu
 from tests.support.net import closed_port_url
 from tests.support.pages import OMNI_MODEL, OMNI_PAGE, VLLM_MODEL, VLLM_PAGE, vllm_page_with
+from tests.support.scrape import pick
 
 GenericKey = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -178,10 +181,23 @@ def test_target_parsing() -> None:
     t = EngineTarget.parse("http://user:p%40ss@127.0.0.1:8000")
     assert t.url == t.target == "http://127.0.0.1:8000/metrics"
     assert t.authorization == "Basic dXNlcjpwQHNz"  # user:p@ss
-    assert EngineTarget.parse("localhost:9/custom?x=1").target == "http://localhost:9/custom?x=1"
+    custom = EngineTarget.parse("localhost:9/custom?x=1")
+    assert (custom.url, custom.target) == ("http://localhost:9/custom?x=1", "http://localhost:9/custom")
     assert EngineTarget.parse("http://[::1]:8000/metrics").target == "http://[::1]:8000/metrics"
     with pytest.raises(ValueError):
         EngineTarget.parse("ftp://host/metrics")
+
+
+def test_the_target_label_has_no_userinfo_query_or_fragment(tmp_path: Path) -> None:
+    """Today's main kept the query string in the label, so a `?token=` ended up in Prometheus."""
+    with SimulatedEngine(VLLM_PAGE.read_bytes()) as engine:
+        url = engine.url.replace("http://", "http://kv:secret@") + "?token=hunter2#frag"
+        with exporter(tmp_path, [url], simulated_gpu()) as e:
+            s = e.samples()
+        targets = {dict(labels)["target"] for _, labels in s if "target" in dict(labels)}
+        assert targets == {engine.url}
+        assert pick(s, "model_local_kv_engine_page_up", target=engine.url) == 1
+        assert engine.authorization == "Basic a3Y6c2VjcmV0"  # the credentials are still sent
 
 
 def test_fetch_real_page_over_http() -> None:
@@ -242,3 +258,18 @@ def test_huge_page_is_refused(send_length: bool) -> None:
             fetch_page(EngineTarget.parse(engine.url), max_bytes=len(body) // 2)
         assert info.value.reason == "too_large"
         assert len(fetch_page(EngineTarget.parse(engine.url), max_bytes=len(body))) == len(body)
+
+
+def test_scanning_a_large_page_is_bounded_by_the_engine_deadline() -> None:
+    """A 3.5 MiB page of running series took 2-4 s to scan past --engine-timeout on today's main."""
+    line = 'vllm:num_requests_running{engine="%d",model_name="%s"} 1.0\n'
+    body = "".join(line % (i, "m" * 40) for i in range(37_000)).encode()
+    assert 3.4 * (1 << 20) < len(body) < DEFAULT_MAX_PAGE_BYTES
+    with SimulatedEngine(body) as engine:
+        started = time.monotonic()
+        with pytest.raises(EnginePageError) as info:
+            read_engine(EngineTarget.parse(engine.url), timeout_s=0.3)
+        took = time.monotonic() - started
+    assert info.value.reason == "timeout" and "series" in info.value.detail
+    assert took < 0.3 + 0.25, took
+    assert len(scan_page(body).running) == 37_000  # without a deadline, all of it

@@ -16,7 +16,7 @@ from kv_exporter.protocol import RowDriver
 
 PACKAGE = Path(__file__).resolve().parents[2] / "kv_exporter"
 MAX_MODULE_LINES = 450
-ROOMS = ("plugin", "sidecar", "web")
+ROOMS = ("plugin", "sidecar", "web", "transport")
 
 
 def module_name(path: Path) -> str:
@@ -77,6 +77,27 @@ def test_the_contract_and_the_web_config_import_no_room_above_them() -> None:
         if room(target) not in allowed[room(name)]
     )
     assert crossings == []
+
+
+# What the transport may use outside its room: the package version (the client's User-Agent) and the TLS handshake
+# machinery that the web configuration's module still holds (`web/tls.py`: plain `ssl`, nothing of the exporter).
+TRANSPORT_MAY_IMPORT = {"kv_exporter", "kv_exporter.web.tls"}
+
+
+def test_the_transport_imports_nothing_of_the_exporter() -> None:
+    """HTTP server and client know requests and bytes, never manifests, inputs, snapshots, families or
+    collections: routing, statuses and what a collection timeout means live with the application (`sidecar`)."""
+    crossings = sorted(
+        f"{name} -> {target}"
+        for name, targets in GRAPH.items()
+        if room(name) == "transport"
+        for target in targets
+        if room(target) != "transport" and target not in TRANSPORT_MAY_IMPORT
+    )
+    assert crossings == []
+    assert {name for name in MODULES if room(name) == "transport"} >= {
+        "kv_exporter.transport.connections", "kv_exporter.transport.request_head", "kv_exporter.transport.fetch"
+    }  # fmt: skip
 
 
 def test_no_import_cycle_inside_the_package() -> None:

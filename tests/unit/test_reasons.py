@@ -11,10 +11,10 @@ import pytest
 
 from kv_exporter.gpu import NVML_ERROR_REASONS, reason_of
 from kv_exporter.manifest import OBSERVATION_PROBLEM_REASONS, READER_ERROR_REASONS
-from kv_exporter.sidecar import fetch
 from kv_exporter.sidecar.engine_page import PAGE_ERROR_REASONS
-from kv_exporter.sidecar.fetch import FETCH_ERROR_REASONS
 from kv_exporter.sidecar.inputs import MANIFEST_ERROR_REASONS, OBSERVATION_ERROR_REASONS
+from kv_exporter.transport import fetch
+from kv_exporter.transport.fetch import FETCH_ERROR_REASONS
 
 PACKAGE = Path(__file__).resolve().parents[2] / "kv_exporter"
 SOURCE = {path: path.read_text() for path in PACKAGE.rglob("*.py")}
@@ -29,7 +29,7 @@ def raised(error: str, *, after_path: bool = False) -> set[str]:
 
 def fetch_reasons_raised() -> set[str]:
     """The reasons `fetch` raises: it names them by constant."""
-    names = set(re.findall(r"\bFetchError\(\s*([A-Z_]+),", SOURCE[PACKAGE / "sidecar" / "fetch.py"]))
+    names = set(re.findall(r"\bFetchError\(\s*([A-Z_]+),", SOURCE[PACKAGE / "transport" / "fetch.py"]))
     return {getattr(fetch, name) for name in names}
 
 

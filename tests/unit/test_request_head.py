@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_exporter.sidecar.request_head import (
+from kv_exporter.transport.request_head import (
     MAX_DISCARDED_BODY_BYTES,
     BadRequest,
     check_request_line_start,

@@ -293,9 +293,13 @@ def test_successful_checks_are_cached_and_cost_one_bcrypt(tmp_path: Path) -> Non
 
 
 def test_the_cache_is_bounded(users_config: WebConfig) -> None:
+    good = basic_authorization("prometheus", "s3cret")
+    assert users_config.check_auth(good)
     for i in range(300):
         users_config.check_auth(basic_authorization("prometheus", f"guess-{i}"))
-    assert len(users_config._auth._cache) <= 100
+    assert len(users_config._auth._refusals) <= 100
+    assert users_config.known_auth(good) is True  # wrong guesses never push a verified credential out
+    assert users_config.known_auth(basic_authorization("prometheus", "never-tried")) is None  # would need bcrypt
 
 
 def test_passwords_longer_than_72_bytes_follow_bcrypt(tmp_path: Path) -> None:

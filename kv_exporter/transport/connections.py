@@ -21,10 +21,10 @@ import ssl
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from kv_exporter.sidecar.connection import Connection, Limits, State
-from kv_exporter.sidecar.request_head import (
+from kv_exporter.transport.connection import Connection, Limits, State
+from kv_exporter.transport.request_head import (
     MAX_HEAD_BYTES,
     BadRequest,
     Request,
@@ -47,12 +47,26 @@ TLSForNewConnection = Callable[[], tuple[ssl.SSLContext, frozenset[str] | None] 
 _WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
+def _has_input(conn: Connection) -> bool:
+    """Whether the client has sent bytes the loop has not read yet: in the kernel (peeked below any TLS layer), or
+    decrypted and held by the TLS layer."""
+    if isinstance(conn.sock, ssl.SSLSocket) and conn.handshake is None and conn.sock.pending():
+        return True
+    try:
+        return bool(socket.socket.recv(conn.sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except OSError:  # nothing there (EAGAIN), or reset: nothing worth keeping
+        return False
+
+
 class ConnectionLoop:
-    def __init__(self, listener: socket.socket, dispatch: Dispatch, tls: TLSForNewConnection, limits: Limits) -> None:
-        listener.setblocking(False)
+    def __init__(
+        self, listeners: Sequence[socket.socket], dispatch: Dispatch, tls: TLSForNewConnection, limits: Limits
+    ) -> None:
+        for listener in listeners:
+            listener.setblocking(False)
         self.limits = limits
         self.draining = False  # read by the workers: answers from now on close their connection
-        self._listener: socket.socket | None = listener
+        self._listeners = {listener.fileno(): listener for listener in listeners}  # emptied once closed
         self._dispatch = dispatch
         self._tls = tls
         self._selector = selectors.DefaultSelector()
@@ -103,16 +117,15 @@ class ConnectionLoop:
     def run(self) -> None:
         self._finished.clear()
         try:
-            if self._listener is not None:
-                self._selector.register(self._listener.fileno(), selectors.EVENT_READ)
+            self._watch_listeners(True)
             self._selector.register(self._waker.fileno(), selectors.EVENT_READ)
             while not self._stop:
                 timeout = None if self._next_sweep == math.inf else max(0.0, self._next_sweep - time.monotonic())
                 for key, _ in self._selector.select(timeout):
                     if isinstance(key.data, Connection):
                         self._guarded(key.data)
-                    elif self._listener is not None and key.fd == self._listener.fileno():
-                        self._accept()
+                    elif key.fd in self._listeners:
+                        self._accept(key.fd)
                     else:
                         self._woke()
                 if time.monotonic() >= self._next_sweep:
@@ -120,20 +133,27 @@ class ConnectionLoop:
         finally:
             for conn in list(self._connections):
                 self._close(conn)
-            self._close_listener()
+            self._close_listeners()
             self._finished.set()
 
     def close(self) -> None:
-        """Close the listening socket, unless `run` is running (it closes everything when it ends)."""
+        """Close the listening sockets, unless `run` is running (it closes everything when it ends)."""
         if self._finished.is_set():
-            self._close_listener()
+            self._close_listeners()
 
-    def _close_listener(self) -> None:
-        if self._listener is not None:
+    def _close_listeners(self) -> None:
+        self._watch_listeners(False)
+        for listener in self._listeners.values():
+            listener.close()
+        self._listeners = {}
+
+    def _watch_listeners(self, on: bool) -> None:
+        for fd in self._listeners:
             with contextlib.suppress(KeyError, ValueError):
-                self._selector.unregister(self._listener.fileno())
-            self._listener.close()
-            self._listener = None
+                if on:
+                    self._selector.register(fd, selectors.EVENT_READ)
+                else:
+                    self._selector.unregister(fd)
 
     def _woke(self) -> None:
         with contextlib.suppress(OSError):
@@ -145,24 +165,25 @@ class ConnectionLoop:
             if conn in self._connections:
                 self._start_writing(conn, data, close or self.draining)
         if self._drain_asked and not self._drained:
-            self._close_listener()
+            self._close_listeners()
             for conn in [c for c in self._connections if c not in self._busy]:
                 self._close(conn)
             with self._lock:
                 self._drained = True  # every connection left is being answered
                 self._lock.notify_all()
 
-    def _accept(self) -> None:
+    def _accept(self, fd: int) -> None:
         for _ in range(_ACCEPTS_PER_WAKE):
-            if self._listener is None:
+            listener = self._listeners.get(fd)
+            if listener is None or self._accept_paused:
                 return
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except _WOULD_BLOCK:
                 return
             except OSError as exc:  # out of descriptors: make room, or wait for a connection to close
                 if exc.errno in (errno.EMFILE, errno.ENFILE) and not self._drop_longest_waiting():
-                    self._selector.unregister(self._listener.fileno())
+                    self._watch_listeners(False)
                     self._accept_paused = True  # until a connection closes, or the next sweep
                     self._next_sweep = min(self._next_sweep, time.monotonic() + 1.0)
                 return
@@ -189,9 +210,12 @@ class ConnectionLoop:
 
     def _drop_longest_waiting(self) -> bool:
         """Close the connection waiting longest for a request; failing that, the answer stalled longest (a client
-        that does not read). One a worker is answering is never dropped. False if there was none."""
+        that does not read). One a worker is answering is never dropped, nor one whose next bytes have arrived but
+        were not read yet (a burst of accepts comes before the reads: a scraper's request sat unread while the
+        newcomers of the same burst evicted it). False if there was none."""
         stalled = (conn for conn in self._busy if conn.state is State.WRITE)
-        victim = next(iter(self._waiting), None) or min(stalled, key=lambda conn: conn.deadline, default=None)
+        idle = (conn for conn in self._waiting if conn.state is State.LINGER or not _has_input(conn))
+        victim = next(idle, None) or min(stalled, key=lambda conn: conn.deadline, default=None)
         if victim is None:
             return False
         if not self._at_cap:
@@ -390,9 +414,9 @@ class ConnectionLoop:
         if self._at_cap and len(self._connections) < self.limits.max_connections // 2:
             log.info("connections below the cap again: %d open", len(self._connections))
             self._at_cap = False
-        if self._accept_paused and self._listener is not None:
+        if self._accept_paused:
             self._accept_paused = False
-            self._selector.register(self._listener.fileno(), selectors.EVENT_READ)
+            self._watch_listeners(True)
 
     def _watch(self, conn: Connection, events: int) -> None:
         if events == conn.events:
@@ -412,9 +436,9 @@ class ConnectionLoop:
     def _sweep(self, now: float) -> None:
         """Close the connections past their deadline; find the next deadline."""
         self._next_sweep = math.inf
-        if self._accept_paused and self._listener is not None:  # out of descriptors a second ago: try again
+        if self._accept_paused:  # out of descriptors a second ago: try again
             self._accept_paused = False
-            self._selector.register(self._listener.fileno(), selectors.EVENT_READ)
+            self._watch_listeners(True)
         for conn in list(self._connections):
             if conn.state is State.BUSY:
                 continue

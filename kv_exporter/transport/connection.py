@@ -1,4 +1,4 @@
-"""One connection as the connection loop (`kv_exporter.sidecar.connections`) keeps it, and the limits it applies."""
+"""One connection as the connection loop (`kv_exporter.transport.connections`) keeps it, and the limits it applies."""
 
 from __future__ import annotations
 
@@ -6,15 +6,17 @@ import socket
 from dataclasses import dataclass
 from enum import Enum
 
-from kv_exporter.sidecar.request_head import Request
+from kv_exporter.transport.request_head import Request
 from kv_exporter.web.tls import HANDSHAKE_TIMEOUT_S, Handshake
 
 DEFAULT_MAX_CONNECTIONS = 512  # Prometheus' own --web.max-connections default
+DEFAULT_MAX_REQUESTS = 40  # node_exporter's --web.max-requests default (0: no limit)
 
 
 @dataclass(frozen=True)
 class Limits:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_requests: int = DEFAULT_MAX_REQUESTS  # scrapes answered at once; past it, 503 as promhttp answers
     head_timeout_s: float = 10.0  # a request head is a few hundred bytes sent at once
     idle_timeout_s: float = 300.0  # longer than any scrape interval, so Prometheus keeps its connection
     handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
