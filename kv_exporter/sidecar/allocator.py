@@ -11,14 +11,16 @@ Smaller blocks come from a heap, one per thread that allocates (the collection's
 block below a live one stays resident: a heap is trimmed only from its top, and `malloc_trim` only madvises the free
 blocks inside. After a folder of 1 MiB manifests was parsed and removed, ~23 MB of free blocks stayed in two thread
 heaps, pinned by a few small live ones (docs/reliability.md, "Memory"). So after a collection, when glibc's heaps
-hold more than FREE_SLACK_BYTES free that was not already handed back, `malloc_trim` hands it back. Other C
-libraries (musl) have neither call: nothing to do there.
+hold more than FREE_SLACK_BYTES free, `malloc_trim` hands it back. Other C libraries (musl) have neither call:
+nothing to do there.
 
 mallinfo2 counts a free block whether its pages are resident or were already handed back: after one trim the heaps
 still count the returned blocks as free, and testing the free total alone trimmed on every scrape after. So the
-last trim's figures are the baseline: there is memory to return when the free total has grown past what that trim
-left (live memory freed since), or when the process has grown resident while that much is free (returned blocks
-reused and freed again are resident again, with the free total back where it was).
+last trim's figures are the baseline, and past the slack a trim runs only when there is memory to return: the free
+total has grown by TRIM_MIN_BYTES past what that trim left (live memory freed since), or the process has grown
+resident by the slack (returned blocks reused and freed again are resident again, the free total back where it
+was). Not the slack for the first: part of a large input is freed only after the trim that follows it (5 MiB of
+the 12 big files, with the next scrape), and it stayed resident for good when only more than the slack counted.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ THRESHOLD_BYTES = 128 << 10  # glibc's own starting value of both
 # Free heap memory kept for reuse before it is handed back: 300 scrapes of the four reference manifests and the
 # recorded engine page never reached it (no trim), and one large input leaves 10 to 40 MB.
 FREE_SLACK_BYTES = 8 << 20
+# Freed since the last trim, with the heaps past the slack, that is worth a trim: more than the few small blocks a
+# quiet scrape frees, less than what a large input leaves after its trim.
+TRIM_MIN_BYTES = 1 << 20
 
 
 class _MallInfo2(ctypes.Structure):
@@ -112,7 +117,7 @@ def return_free_memory(slack_bytes: int = FREE_SLACK_BYTES) -> bool:
     with _Returned.lock:
         free, resident = int(libc.mallinfo2().fordblks), resident_bytes()
         _Returned.free_bytes = min(_Returned.free_bytes, free)  # returned blocks reused since
-        freed = free - _Returned.free_bytes > slack_bytes
+        freed = free > slack_bytes and free - _Returned.free_bytes > TRIM_MIN_BYTES
         regrown = free > slack_bytes and resident - _Returned.resident_bytes > slack_bytes
         if not (freed or regrown):
             return False
