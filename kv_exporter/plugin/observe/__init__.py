@@ -30,7 +30,6 @@ __all__ = ["CACHE_MODULE", "attach", "declared_geometries", "observe", "patch_ca
 
 CACHE_MODULE = "transformers.cache_utils"
 CACHE_BASE = "Cache"
-LAYER_BASE = "CacheLayerMixin"
 
 
 class _Observer:
@@ -131,8 +130,7 @@ def patch_cache_module(module: ModuleType) -> None:
     if not isinstance(cache_base, type) or torch is None:
         _observer.registry.mark_unavailable("no-cache-class", f"{module.__name__} has no {CACHE_BASE} class")
         return
-    layer_base = getattr(module, LAYER_BASE, None)
-    _observer.registry.install(cache_base, torch.nn.Module, layer_base if isinstance(layer_base, type) else None)
+    _observer.registry.install(cache_base, torch.nn.Module)
 
 
 def patches(settings: HookSettings) -> dict[str, Callable[[ModuleType], None]]:

@@ -1,36 +1,50 @@
 """The high-water mark per owner: the storage its live caches hold, counted as it changes, and the most since the
 last sample.
 
-Every storage change of a transformers cache is an assignment to a layer's `keys` or `values` (`update`, the lazy
-initialisation, `crop`, `reorder_cache`, `reset`, `offload`, and upstream code that sets them itself), a new
-`layers` list, or a copy (`copy.copy` / `copy.deepcopy` fill the copy's `__dict__` and then call `__setstate__`).
-The registry patches those three places (`__setattr__` of the layer base and of the cache base, `__setstate__` of
-the cache base) to call `Accounts` here, which keeps each storage once, by data pointer (one address space per
-process: CUDA's unified addressing gives host and device memory distinct addresses), with a count of the layer
-slots holding it: a storage is charged to the owner of the first cache to hold it, and released when no tracked
-layer holds it any more (the layer reassigned, or the layer gone: a weak reference's callback). What no assignment
-announces (a tensor resized in place) the sampler's walk still sees: a sample's peak is never below its figure.
+A cache's storage changes in its own methods: `update` (one layer: the lazy initialisation, the concatenation or
+the in-place write), the methods that rework every layer (`crop`, `reorder_cache`, `reset`, the batch reshapes,
+`offload`, `prefetch`, `early_initialization`), a new `layers` list (construction, `from_legacy_cache`) and a
+copy's contents (`copy.copy` / `copy.deepcopy` call `__setstate__`). The registry wraps those (`CACHE_METHODS`,
+on the cache base class and on every subclass that defines its own) to call `Accounts` after them; the accounts
+then read the K and V tensors of the layers the call touched. Why not every attribute store of every layer (the
+first design): a Python `__setattr__` on the layer classes made each of the ~10 stores a cache makes in its first
+update a Python call, and the accounting ran per tensor rather than per update: 4.7 us per layer update and ~70 us
+per step in the engine tests' in-step owner, ten times this design's (docs/benchmarks.md, section 7).
 
-A layer belongs to the cache whose `layers` list held it when it was first seen (bound at `layers = [...]`, at a
-copy, or, for a layer appended later, by the cache method on the stack that assigns its first tensor). Layers of no
-tracked cache are not counted, as the sampler does not count them.
+Each storage is kept once, by data pointer (one address space per process: CUDA's unified addressing gives host
+and device memory distinct ones), with a count of the cache slots (a layer's K or V) holding it: it is charged to
+the owner of the first cache to hold it and released when no tracked cache's slot holds it any more (the slot
+given another tensor, or the cache gone: the registry's weak reference calls `forget`). A slot gives up its old
+storage before it takes the new one, as the layer does.
 
-An owner's `current` is what its caches hold now; `peak` the most they held at any instant since `take_peaks`. An
-assignment releases the old tensor's storage before it takes the new one's: the layer never holds both.
+What no wrapped method announces (upstream code assigning a layer's `keys` itself, or calling a layer's `update`
+without its cache) is seen by the next wrapped call on that cache or by the sampler's walk: a sample's peak is
+never below its own figure, and only such a change that comes and goes between two samples is missed.
+
+An owner's `current` is what its caches hold now; `peak` the most they held at any instant since `take_peaks`.
 """
 
 from __future__ import annotations
 
-import sys
-import weakref
 from collections.abc import Callable, Iterable
-from types import CodeType, FrameType
 from typing import Any
 
 from kv_exporter.plugin.observe.owners import Geometry, Shape
 
-TENSOR_SLOTS = ("keys", "values")
-BIND_SEARCH_FRAMES = 8  # a layer's first tensor: the layer's method, its update, the cache's update, a helper
+# Cache methods after which any layer's K or V may be another storage (`update`: only the layer it names).
+UPDATE_METHOD = "update"
+CACHE_METHODS = (
+    UPDATE_METHOD,
+    "crop",
+    "reorder_cache",
+    "reset",
+    "batch_repeat_interleave",
+    "batch_select_indices",
+    "offload",
+    "prefetch",
+    "early_initialization",
+)
+_NO_STORAGE = (AttributeError, TypeError, NotImplementedError, RuntimeError)  # sparse, nested, wrapper, a list
 
 
 class Tally:
@@ -44,7 +58,7 @@ class Tally:
 
 
 class _Held:
-    """One storage: its size, how many tracked layer slots hold it, and whose it is."""
+    """One storage: its size, how many tracked cache slots hold it, and whose it is."""
 
     __slots__ = ("nbytes", "refs", "tally")
 
@@ -54,102 +68,77 @@ class _Held:
         self.tally = tally
 
 
-class LayerRecord(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to one layer: the cache entry it belongs to and the storage each slot holds."""
-
-    __slots__ = ("entry", "keys", "layer_id", "tally", "values")
-
-    entry: Any  # the registry's Entry of its cache
-    layer_id: int
-    tally: Tally | None  # its cache's owner's, from its first storage on (the owner is settled by then)
-    keys: int  # the storage's data pointer; 0: none
-    values: int
-
-
 class Accounts:
-    """Per owner: the bytes its caches hold (each storage once over all owners) and the most since `take_peaks`."""
+    """Per owner: the bytes its caches hold (each storage once over all owners) and the most since `take_peaks`.
 
-    def __init__(
-        self, cache_of: Callable[[object], Any], owner_of: Callable[[Any, Callable[[], Shape | None]], str]
-    ) -> None:
-        self._cache_of = cache_of  # the entry of a tracked cache object, or None
+    A tracked cache's registry entry carries two fields for this: `slots` (the data pointer each layer's K and V
+    held when last looked at, 0 for none) and `tally` (its owner's, from its first storage on)."""
+
+    def __init__(self, owner_of: Callable[[Any, Callable[[], Shape | None]], str]) -> None:
         self._owner_of = owner_of  # the owner to charge an entry's storage to (deciding it, by geometry, at its first)
         self.tallies: dict[str, Tally] = {}
         self._held: dict[int, _Held] = {}
-        self._layers: dict[int, LayerRecord] = {}
-        self._on_release = self._layer_released
-        self.cache_base: type | None = None  # set at install: only its methods' frames are asked for their `self`
-        self._cache_methods: dict[int, tuple[CodeType, bool]] = {}  # id(code) -> (code, kept alive; is one)
 
-    # -- events ---------------------------------------------------------------------------------------------------
+    def updated(self, entry: Any, cache: Any, index: int) -> None:
+        """`cache.update(..., index, ...)` has returned: its layer `index` may hold other storage."""
+        layer = cache.layers[index]
+        slot = 2 * index
+        slots = entry.slots
+        if len(slots) <= slot:
+            slots.extend([0] * (slot + 2 - len(slots)))
+        self._look(entry, slot, getattr(layer, "keys", None))
+        self._look(entry, slot + 1, getattr(layer, "values", None))
 
-    def assigned(self, layer: object, slot: str, tensor: object) -> None:
-        """`layer.<slot> = tensor` has just happened (slot: keys or values)."""
-        record = self._layers.get(id(layer))
-        if record is None:
-            if tensor is None:
-                return
-            entry = self._owning_entry(sys._getframe(2))
-            if entry is not None:
-                self.bind(layer, entry)
+    def reworked(self, entry: Any, cache: Any) -> None:
+        """Any of `cache`'s layers may hold other storage (a new `layers` list, a copy, crop, reorder, ...)."""
+        layers = cache.__dict__.get("layers")
+        if not isinstance(layers, list):  # a property (read only by the sampler, which says why) or no layers yet
             return
-        old = record.keys if slot == "keys" else record.values
-        new = self._take(tensor, record, old)
-        if slot == "keys":
-            record.keys = new
-        else:
-            record.values = new
+        slots = entry.slots
+        count = 2 * len(layers)
+        if len(slots) < count:
+            slots.extend([0] * (count - len(slots)))
+        for index, layer in enumerate(layers):
+            self._look(entry, 2 * index, getattr(layer, "keys", None))
+            self._look(entry, 2 * index + 1, getattr(layer, "values", None))
+        for pointer in slots[count:]:  # layers gone from the list
+            self._release(pointer)
+        del slots[count:]
 
-    def bind_all(self, layers: object, entry: Any) -> None:
-        """The layers of `entry`'s cache (a new `layers` list, or a copy's)."""
-        if isinstance(layers, (list, tuple)):
-            for layer in tuple(layers):
-                if id(layer) not in self._layers:
-                    self.bind(layer, entry)
+    def forget(self, entry: Any) -> None:
+        """`entry`'s cache is gone: its slots hold nothing now."""
+        slots, entry.slots = entry.slots, []
+        for pointer in slots:
+            self._release(pointer)
 
-    def bind(self, layer: object, entry: Any) -> None:
+    def _look(self, entry: Any, slot: int, tensor: Any) -> None:
+        """Slot `slot` of `entry` holds `tensor` now."""
         try:
-            record = LayerRecord(layer, self._on_release)
-        except TypeError:  # a layer object without weak references: left to the sampler
-            return
-        record.entry = entry
-        record.layer_id = id(layer)
-        record.tally = None
-        record.keys = record.values = 0
-        self._layers[record.layer_id] = record
-        record.keys = self._take(getattr(layer, "keys", None), record, 0)
-        record.values = self._take(getattr(layer, "values", None), record, 0)
-
-    def _layer_released(self, record: LayerRecord) -> None:
-        if self._layers.get(record.layer_id) is not record:  # counted before a rebuild: nothing of it is held now
-            return
-        del self._layers[record.layer_id]
-        self._release(record.keys)
-        self._release(record.values)
-
-    # -- storage --------------------------------------------------------------------------------------------------
-
-    def _take(self, tensor: Any, record: LayerRecord, old: int) -> int:
-        """Hold `tensor`'s storage instead of `old`'s; the new data pointer (0: no tensor or no storage)."""
-        pointer, nbytes = _storage(tensor)
+            storage = tensor.untyped_storage()
+            nbytes: int = storage.nbytes()
+            pointer: int = storage.data_ptr() if nbytes else 0
+        except _NO_STORAGE:  # None, a tensor without storage, not a tensor: the sampler says which
+            pointer = nbytes = 0
+        slots = entry.slots
+        old = slots[slot]
         if pointer == old:
-            return old
+            return
         if old:
             self._release(old)  # first: the slot no longer holds it
+        slots[slot] = pointer
         if not pointer:
-            return 0
+            return
         held = self._held.get(pointer)
         if held is not None:
             held.refs += 1
-            return pointer
-        tally = record.tally
+            return
+        tally = entry.tally
         if tally is None:
-            tally = record.tally = self._tally(self._owner_of(record.entry, lambda: _shape(record.entry(), tensor)))
+            tally = entry.tally = self._tally(self._owner_of(entry, lambda: _shape(entry(), tensor)))
         self._held[pointer] = _Held(nbytes, tally)
         tally.current += nbytes
         if tally.current > tally.peak:
             tally.peak = tally.current
-        return pointer
 
     def _release(self, pointer: int) -> None:
         held = self._held.get(pointer)
@@ -166,8 +155,6 @@ class Accounts:
             tally = self.tallies[owner] = Tally()
         return tally
 
-    # -- samples --------------------------------------------------------------------------------------------------
-
     def take_peaks(self) -> dict[str, int]:
         """owner -> the most its caches held since the last call, for the owners that held anything; starts the
         next interval at what they hold now."""
@@ -178,55 +165,15 @@ class Accounts:
             tally.peak = tally.current
         return peaks
 
-    def rebuild(self, entries: Iterable[Any], layers_of: Callable[[object], object]) -> None:
+    def rebuild(self, entries: Iterable[Any]) -> None:
         """Count again from the live caches (once their owners are known): what they hold now is the new peak."""
-        self._layers.clear()
         self._held.clear()
         self.tallies.clear()
         for entry in entries:
+            entry.slots, entry.tally = [], None
             cache = entry()
-            if cache is not None:
-                self.bind_all(layers_of(cache), entry)
-
-    def _owning_entry(self, frame: FrameType | None) -> Any:
-        """The tracked cache whose method (on the stack, within a few frames) assigns a new layer's first tensor.
-
-        Only a cache method's frame is asked for its locals: on Python 3.11-3.12 that keeps a snapshot of them until
-        the frame returns, which must not delay the release of anything a model's own frame holds."""
-        methods = self._cache_methods
-        for _ in range(BIND_SEARCH_FRAMES):
-            if frame is None:
-                return None
-            code = frame.f_code
-            known = methods.get(id(code))
-            if known is None:
-                known = methods[id(code)] = (code, self._is_cache_method(code, frame.f_globals))
-            if known[1]:
-                entry = self._cache_of(frame.f_locals.get(code.co_varnames[0]))
-                if entry is not None:
-                    return entry
-            frame = frame.f_back
-        return None
-
-    def _is_cache_method(self, code: CodeType, namespace: dict[str, Any]) -> bool:
-        """Whether `code` is a method of a cache class (by its qualified name, Python 3.11+)."""
-        *class_path, _ = getattr(code, "co_qualname", "").split(".")
-        if not class_path or self.cache_base is None or code.co_argcount < 1:
-            return False
-        owner: object = namespace.get(class_path[0])
-        for name in class_path[1:]:
-            owner = getattr(owner, name, None) if isinstance(owner, type) else None
-        return isinstance(owner, type) and issubclass(owner, self.cache_base)
-
-
-def _storage(tensor: Any) -> tuple[int, int]:
-    """(data pointer, bytes) of a tensor's storage; (0, 0) for None, a non-tensor or an empty storage."""
-    try:
-        storage = tensor.untyped_storage()
-    except (AttributeError, TypeError, NotImplementedError, RuntimeError):  # sparse, nested, wrapper: the sampler says
-        return 0, 0
-    nbytes: int = storage.nbytes()
-    return (storage.data_ptr(), nbytes) if nbytes else (0, 0)
+            if cache is not None and hasattr(cache, "__dict__"):
+                self.reworked(entry, cache)
 
 
 def _shape(cache: object, tensor: Any) -> Shape | None:

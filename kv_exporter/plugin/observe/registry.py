@@ -3,13 +3,15 @@
 `install` gives transformers' `Cache` base class a `__new__`: every subclass goes through it, and so does
 `copy.deepcopy` (which creates the copy with `cls.__new__` and never runs `__init__`). It makes one weak
 reference per cache (an `Entry`, which also carries the owner) and drops it from `live` when the cache is
-released. For the high-water mark (`peaks.Accounts`) it also gives the layer base class and the cache base class
-a `__setattr__` that reports a new `keys` / `values` tensor or a new `layers` list, and the cache base class a
-`__setstate__` (what a copy's contents arrive through): the per-step cost is one call per K or V assignment.
+released. For the high-water mark (`peaks.Accounts`) it wraps the cache methods that change what a cache's layers
+hold (`peaks.CACHE_METHODS`, on the base class and on each subclass that defines its own, as it is first seen),
+and gives the cache base class a `__setattr__` that reports a new `layers` list and a `__setstate__` (what a copy's
+contents arrive through): the per-step cost is one call per cache update.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Collection, Mapping
@@ -18,7 +20,7 @@ from typing import Any
 
 from kv_exporter.observation import UNATTRIBUTED_OWNER
 from kv_exporter.plugin.observe.owners import Attribution, Geometry, ModelMap, ModuleRef, Shape, StackModules
-from kv_exporter.plugin.observe.peaks import TENSOR_SLOTS, Accounts
+from kv_exporter.plugin.observe.peaks import CACHE_METHODS, UPDATE_METHOD, Accounts, Tally
 from kv_exporter.plugin.oncelog import warn_once
 
 PATCHED_MARK = "__kv_exporter_observe__"
@@ -27,30 +29,33 @@ PATCHED_MARK = "__kv_exporter_observe__"
 class Entry(weakref.ref):  # type: ignore[type-arg]
     """A weak reference to one cache, with its owner (None until the model is known, then `pending` names it)."""
 
-    __slots__ = ("cache_id", "candidate", "owner", "pending")
+    __slots__ = ("cache_id", "candidate", "owner", "pending", "slots", "tally")
 
     cache_id: int
     owner: str | None
     candidate: str | None  # a declaring ancestor whose declared memory the cache may be, until its first tensor
     pending: tuple[ModuleRef, ...]  # the modules on the creating stack, for a cache created before `attach`
+    slots: list[int]  # the accounts': the storage each layer's K and V held when last looked at
+    tally: Tally | None  # the accounts': its owner's, from its first storage on
 
 
 class Registry:
     def __init__(self) -> None:
         self.live: dict[int, Entry] = {}  # id(entry) -> entry, in creation order
         self.by_cache: dict[int, Entry] = {}  # id(cache) -> entry
-        self.accounts = Accounts(self.entry_of, self._charge)
+        self.accounts = Accounts(self._charge)
         self.model: ModelMap | None = None
         self.installed_on: type | None = None
         self.unavailable = ""  # why the figures cannot be complete in this process ("" while they can)
         self._stack_modules: StackModules | None = None
-        self._layer_base: type | None = None
+        self._wrapped: set[type] = set()  # cache classes whose own storage methods report to the accounts
         self._on_release = self._released
 
     def _released(self, entry: Entry) -> None:
         self.live.pop(id(entry), None)
         if self.by_cache.get(entry.cache_id) is entry:
             del self.by_cache[entry.cache_id]
+        self.accounts.forget(entry)
 
     def entry_of(self, cache: object) -> Entry | None:
         entry = self.by_cache.get(id(cache))
@@ -86,6 +91,10 @@ class Registry:
             return
         entry.cache_id = id(cache)
         entry.candidate = None
+        entry.slots, entry.tally = [], None
+        cls = type(cache)
+        if cls not in self._wrapped:
+            self._wrap(cls)
         model = self.model
         if model is not None:
             entry.owner, entry.candidate = self._owner_at(model, frame)
@@ -136,7 +145,7 @@ class Registry:
         for entry in entries:
             if entry.owner is None:
                 self._settle(entry, self.model)
-        self.accounts.rebuild(entries, _layers_of)
+        self.accounts.rebuild(entries)
 
     def _model_released(self, root: ModuleRef) -> None:
         if self.model is not None and self.model.root is root:
@@ -144,9 +153,9 @@ class Registry:
 
     # -- installation ---------------------------------------------------------------------------------------------
 
-    def install(self, cache_base: type, module_type: type[Any], layer_base: type | None = None) -> bool:
-        """Track every instance of `cache_base` and its subclasses from now on, and what the layers of
-        `layer_base` hold as it changes; False when that cannot work."""
+    def install(self, cache_base: type, module_type: type[Any]) -> bool:
+        """Track every instance of `cache_base` and its subclasses from now on, and what their layers hold as it
+        changes; False when that cannot work."""
         if cache_base.__weakrefoffset__ == 0:
             name = cache_base.__qualname__
             self.mark_unavailable(f"weakref:{name}", f"{name} cannot be weakly referenced; nothing is tracked")
@@ -159,11 +168,30 @@ class Registry:
         else:
             tracker = _Tracker(self)
             cache_base.__new__ = staticmethod(_tracking_new(cache_base, own_new, tracker))  # type: ignore[method-assign]
-        _patch_contents(cache_base, layer_base, tracker)
-        self._layer_base = layer_base
+        _Contents.tracker = tracker
+        _Contents.is_compiling = staticmethod(_compiling_test())
         self.installed_on = cache_base
-        self.accounts.cache_base = cache_base
+        _patch_cache_base(cache_base)
+        pending = [cache_base]
+        while pending:  # the classes defined by now; later ones as their first instance is tracked
+            cls = pending.pop()
+            self._wrap(cls)
+            pending.extend(cls.__subclasses__())
         return True
+
+    def _wrap(self, cls: type) -> None:
+        """Report `cls`'s own storage methods (and its bases' up to the cache base) to the accounts."""
+        cache_base = self.installed_on
+        if cache_base is None:
+            return
+        for klass in cls.__mro__:
+            if klass in self._wrapped or not issubclass(klass, cache_base):
+                continue
+            self._wrapped.add(klass)
+            for name in CACHE_METHODS:
+                method = vars(klass).get(name)
+                if callable(method) and not hasattr(method, PATCHED_MARK):
+                    setattr(klass, name, _reporting(method, name == UPDATE_METHOD))
 
     def detach(self) -> None:
         """Stop tracking into this registry (tests, benchmarks). The content hooks go; the `__new__` stays: CPython
@@ -174,7 +202,15 @@ class Registry:
         tracker = getattr(getattr(own_new, "__func__", own_new), PATCHED_MARK, None)
         if isinstance(tracker, _Tracker) and tracker.registry is self:
             tracker.registry = None
-            _unpatch_contents(cache_base, self._layer_base)
+            for klass in self._wrapped:
+                for name, method in list(vars(klass).items()):
+                    original = getattr(method, PATCHED_MARK, None)
+                    if name in CACHE_METHODS and original is not None:
+                        setattr(klass, name, original)
+            for name, hook in (("__setattr__", _cache_setattr), ("__setstate__", _cache_setstate)):
+                if cache_base is not None and vars(cache_base).get(name) is hook:
+                    delattr(cache_base, name)
+        self._wrapped.clear()
 
 
 class _Tracker:
@@ -211,10 +247,6 @@ def _tracking_new(cache_base: type[Any], own_new: Any, tracker: _Tracker) -> Any
     return __new__
 
 
-def _layers_of(cache: object) -> object:
-    return cache.__dict__.get("layers") if hasattr(cache, "__dict__") else None
-
-
 class _Contents:
     """Where the content hooks report: module state, not closure cells (dynamo wraps a traced function's cells
     when it inlines it, and cannot wrap a registry; a global it never loads while tracing costs nothing)."""
@@ -223,46 +255,45 @@ class _Contents:
     is_compiling: Callable[[], bool] = staticmethod(lambda: False)
 
 
-def _patch_contents(cache_base: type[Any], layer_base: type[Any] | None, tracker: _Tracker) -> None:
-    """Report every new K / V tensor of a layer, every new `layers` list and every copy's contents to the accounts.
+def _reporting(method: Callable[..., Any], one_layer: bool) -> Callable[..., Any]:
+    """`method` of a cache class, then the accounts told what its layers hold now (only the layer an update
+    names). The call itself is as before; the report never raises into transformers, and steps aside while dynamo
+    traces (as `__new__` does: what compiled code holds is seen at the next sample)."""
 
-    The assignment itself happens first, as before; the report never raises into transformers, and steps aside
-    while dynamo traces (as `__new__` does: what compiled code holds is seen at the next sample)."""
-    _Contents.tracker = tracker
-    _Contents.is_compiling = staticmethod(_compiling_test())
-    if layer_base is not None and "__setattr__" not in vars(layer_base):
-        setattr(layer_base, "__setattr__", _layer_setattr)  # noqa: B010 (a class attribute, not a type error)
+    @functools.wraps(method)
+    def reporting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        tracker = None if _Contents.is_compiling() else _Contents.tracker
+        registry = None if tracker is None else tracker.registry
+        if registry is not None:
+            entry = registry.by_cache.get(id(self))
+            if entry is not None and entry() is self:
+                try:
+                    index = args[2] if len(args) > 2 else kwargs.get("layer_idx")
+                    if one_layer and type(index) is int:
+                        registry.accounts.updated(entry, self, index)
+                    else:
+                        registry.accounts.reworked(entry, self)
+                except Exception as exc:
+                    _peak_failed(registry, exc)
+        return result
+
+    setattr(reporting, PATCHED_MARK, method)
+    return reporting
+
+
+def _patch_cache_base(cache_base: type[Any]) -> None:
+    """A new `layers` list and a copy's contents reported to the accounts, as the wrapped methods are."""
     if "__setattr__" not in vars(cache_base):
-        setattr(cache_base, "__setattr__", _cache_setattr)  # noqa: B010
+        setattr(cache_base, "__setattr__", _cache_setattr)  # noqa: B010 (a class attribute, not a type error)
     if "__setstate__" not in vars(cache_base):
         setattr(cache_base, "__setstate__", _cache_setstate)  # noqa: B010
-
-
-def _unpatch_contents(cache_base: type[Any] | None, layer_base: type[Any] | None) -> None:
-    for cls, name, hook in (
-        (layer_base, "__setattr__", _layer_setattr),
-        (cache_base, "__setattr__", _cache_setattr),
-        (cache_base, "__setstate__", _cache_setstate),
-    ):
-        if cls is not None and vars(cls).get(name) is hook:
-            delattr(cls, name)
-
-
-def _layer_setattr(self: Any, name: str, value: Any) -> None:
-    _store(self, name, value)
-    if name in TENSOR_SLOTS and not _Contents.is_compiling():
-        registry = _reporting_registry()
-        if registry is not None:
-            try:
-                registry.accounts.assigned(self, name, value)
-            except Exception as exc:
-                _peak_failed(registry, exc)
 
 
 def _cache_setattr(self: Any, name: str, value: Any) -> None:
     _store(self, name, value)
     if name == "layers" and not _Contents.is_compiling():
-        _bind_layers(self)
+        _report_layers(self)
 
 
 def _cache_setstate(self: Any, state: Any) -> None:
@@ -273,20 +304,16 @@ def _cache_setstate(self: Any, state: Any) -> None:
     for key, value in (slots or {}).items():
         setattr(self, key, value)
     if not _Contents.is_compiling():
-        _bind_layers(self)
+        _report_layers(self)
 
 
-def _reporting_registry() -> Registry | None:
+def _report_layers(cache: Any) -> None:
     tracker = _Contents.tracker
-    return None if tracker is None else tracker.registry
-
-
-def _bind_layers(cache: Any) -> None:
-    registry = _reporting_registry()
+    registry = None if tracker is None else tracker.registry
     entry = None if registry is None else registry.entry_of(cache)
     if registry is not None and entry is not None:
         try:
-            registry.accounts.bind_all(_layers_of(cache), entry)
+            registry.accounts.reworked(entry, cache)
         except Exception as exc:
             _peak_failed(registry, exc)
 
