@@ -82,12 +82,13 @@ class Accounts:
     def updated(self, entry: Any, cache: Any, index: int) -> None:
         """`cache.update(..., index, ...)` has returned: its layer `index` may hold other storage."""
         layer = cache.layers[index]
-        slot = 2 * index
+        slot = index + index
         slots = entry.slots
         if len(slots) <= slot:
             slots.extend([0] * (slot + 2 - len(slots)))
-        self._look(entry, slot, getattr(layer, "keys", None))
-        self._look(entry, slot + 1, getattr(layer, "values", None))
+        look = self._look
+        look(entry, slots, slot, getattr(layer, "keys", None))
+        look(entry, slots, slot + 1, getattr(layer, "values", None))
 
     def reworked(self, entry: Any, cache: Any) -> None:
         """Any of `cache`'s layers may hold other storage (a new `layers` list, a copy, crop, reorder, ...)."""
@@ -98,9 +99,10 @@ class Accounts:
         count = 2 * len(layers)
         if len(slots) < count:
             slots.extend([0] * (count - len(slots)))
+        look = self._look
         for index, layer in enumerate(layers):
-            self._look(entry, 2 * index, getattr(layer, "keys", None))
-            self._look(entry, 2 * index + 1, getattr(layer, "values", None))
+            look(entry, slots, 2 * index, getattr(layer, "keys", None))
+            look(entry, slots, 2 * index + 1, getattr(layer, "values", None))
         for pointer in slots[count:]:  # layers gone from the list
             self._release(pointer)
         del slots[count:]
@@ -111,34 +113,39 @@ class Accounts:
         for pointer in slots:
             self._release(pointer)
 
-    def _look(self, entry: Any, slot: int, tensor: Any) -> None:
-        """Slot `slot` of `entry` holds `tensor` now."""
+    def _look(self, entry: Any, slots: list[int], slot: int, tensor: Any) -> None:
+        """Slot `slot` of `entry` (`slots`: its list) holds `tensor` now."""
         try:
             storage = tensor.untyped_storage()
             nbytes: int = storage.nbytes()
             pointer: int = storage.data_ptr() if nbytes else 0
         except _NO_STORAGE:  # None, a tensor without storage, not a tensor: the sampler says which
             pointer = nbytes = 0
-        slots = entry.slots
         old = slots[slot]
         if pointer == old:
             return
-        if old:
-            self._release(old)  # first: the slot no longer holds it
+        held_by = self._held
+        if old:  # first: the slot no longer holds it
+            gone = held_by.get(old)
+            if gone is not None:
+                gone.refs -= 1
+                if gone.refs <= 0:
+                    del held_by[old]
+                    gone.tally.current -= gone.nbytes
         slots[slot] = pointer
         if not pointer:
             return
-        held = self._held.get(pointer)
+        held = held_by.get(pointer)
         if held is not None:
             held.refs += 1
             return
         tally = entry.tally
         if tally is None:
             tally = entry.tally = self._tally(self._owner_of(entry, lambda: _shape(entry(), tensor)))
-        self._held[pointer] = _Held(nbytes, tally)
-        tally.current += nbytes
-        if tally.current > tally.peak:
-            tally.peak = tally.current
+        held_by[pointer] = _Held(nbytes, tally)
+        current = tally.current = tally.current + nbytes
+        if current > tally.peak:
+            tally.peak = current
 
     def _release(self, pointer: int) -> None:
         held = self._held.get(pointer)

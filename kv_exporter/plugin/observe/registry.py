@@ -168,7 +168,7 @@ class Registry:
         else:
             tracker = _Tracker(self)
             cache_base.__new__ = staticmethod(_tracking_new(cache_base, own_new, tracker))  # type: ignore[method-assign]
-        _Contents.tracker = tracker
+        _Contents.registry = self
         _Contents.is_compiling = staticmethod(_compiling_test())
         self.installed_on = cache_base
         _patch_cache_base(cache_base)
@@ -201,7 +201,7 @@ class Registry:
         own_new = None if cache_base is None else cache_base.__dict__.get("__new__")
         tracker = getattr(getattr(own_new, "__func__", own_new), PATCHED_MARK, None)
         if isinstance(tracker, _Tracker) and tracker.registry is self:
-            tracker.registry = None
+            tracker.registry = _Contents.registry = None
             for klass in self._wrapped:
                 for name, method in list(vars(klass).items()):
                     original = getattr(method, PATCHED_MARK, None)
@@ -251,7 +251,7 @@ class _Contents:
     """Where the content hooks report: module state, not closure cells (dynamo wraps a traced function's cells
     when it inlines it, and cannot wrap a registry; a global it never loads while tracing costs nothing)."""
 
-    tracker: _Tracker | None = None
+    registry: Registry | None = None  # the installed one; None once detached
     is_compiling: Callable[[], bool] = staticmethod(lambda: False)
 
 
@@ -263,8 +263,7 @@ def _reporting(method: Callable[..., Any], one_layer: bool) -> Callable[..., Any
     @functools.wraps(method)
     def reporting(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = method(self, *args, **kwargs)
-        tracker = None if _Contents.is_compiling() else _Contents.tracker
-        registry = None if tracker is None else tracker.registry
+        registry = None if _Contents.is_compiling() else _Contents.registry
         if registry is not None:
             entry = registry.by_cache.get(id(self))
             if entry is not None and entry() is self:
@@ -308,8 +307,7 @@ def _cache_setstate(self: Any, state: Any) -> None:
 
 
 def _report_layers(cache: Any) -> None:
-    tracker = _Contents.tracker
-    registry = None if tracker is None else tracker.registry
+    registry = _Contents.registry
     entry = None if registry is None else registry.entry_of(cache)
     if registry is not None and entry is not None:
         try:

@@ -7,8 +7,9 @@ the requests, so that what kv-exporter observes can be held against what the mod
 - `under` declares one FIXED row and holds one per running request (the design notes' failure);
 - `undeclared` declares nothing and holds one per running request;
 - `never` declares max_num_seqs rows and never allocates (the "invented gigabyte");
-- `in_step` declares nothing and holds caches only inside each step (per-request caches, their concatenation, a
-  deep copy), so only the high-water mark between samples can show them.
+- `in_step` declares nothing and holds caches only inside each step (per-request caches filled by a real forward of
+  a tiny transformers Qwen2, their concatenation, a deep copy), so only the high-water mark between samples can
+  show them.
 
 `KvxRequestsCPUModelRunner` (worker.py) tells `kvx_observed`, before each step, which requests the step schedules
 and which have finished. The step's forward gives each holder one `DynamicCache` per newly running request, made in
@@ -137,12 +138,28 @@ def concatenated(caches: Sequence[Any]) -> Any:
 
 
 class InStep(nn.Module):
-    """Declares nothing; every cache it makes is freed when its forward returns."""
+    """Declares nothing; every cache it makes is freed when its forward returns. Each per-request cache is filled by
+    a real forward of a 2-layer transformers Qwen2 (the side geometry), as Qwen3-TTS's decoder fills its own:
+    the work a cache update sits in, not a bare copy, so the decode benchmark weighs the tracking against it."""
 
     def __init__(self) -> None:
         super().__init__()
+        from transformers import Qwen2Model
+
+        torch.manual_seed(0)
+        lm = Qwen2Model(side_config(torch.float32)).to(torch.float32).eval()
+        self.__dict__["_lm"] = lm  # outside the module tree: vLLM's loader wants every parameter in the checkpoint
+        self._prompt = torch.arange(STEP_POSITIONS).unsqueeze(0) % lm.config.vocab_size
         folder = os.environ.get(ENV_REPORT_DIR)
         self._path = Path(folder, f"steps-{os.getpid()}.jsonl") if folder else None
+
+    def request_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        with torch.no_grad():
+            self._lm(input_ids=self._prompt, past_key_values=cache, use_cache=True)
+        return cache
 
     def forward(self, running: int) -> None:
         if not running:
@@ -158,7 +175,7 @@ class InStep(nn.Module):
                 peak = max(peak, sum(measure_cache_bytes(held).allocated_bytes for held in caches))
 
         for _ in range(running):
-            made(filled_cache(STEP_POSITIONS))
+            made(self.request_cache())
         made(concatenated(caches))
         made(copy.deepcopy(caches[-1]))
         caches.clear()
