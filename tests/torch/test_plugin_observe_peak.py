@@ -174,6 +174,32 @@ def test_the_peak_is_never_below_what_the_sample_sees() -> None:
     assert found.peak_bytes == found.bytes == storage_bytes([cache]) > 0
 
 
+class OwnUpdate(DynamicCache):
+    """A cache class defined after observation was installed, whose `update` fills its layers itself, never through
+    `Cache.update` (as a model's own cache class may)."""
+
+    def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        while len(self.layers) <= layer_idx:
+            self.layers.append(DynamicLayer())
+        return self.layers[layer_idx].update(key_states, value_states)
+
+
+def test_a_cache_class_with_its_own_update_gives_its_peak() -> None:
+    model = build(Qwen2ForCausalLM, full_config(), torch.float32)
+    observe.attach(nn.ModuleDict({"lm": model}), [])
+    sample()
+    held = []
+    for positions in (3, 9, 5):  # the largest in the middle: only the high-water mark keeps it
+        cache = OwnUpdate()
+        forward(model, cache, input_ids=prompt(1, positions))
+        held.append(storage_bytes([cache]))
+        del cache
+    gc.collect()
+    found = by_owner(sample())[UNATTRIBUTED_OWNER]
+    assert found.bytes == 0
+    assert found.peak_bytes == max(held) > 0
+
+
 # -- attribution that cannot mask ----------------------------------------------------------------------------------
 
 

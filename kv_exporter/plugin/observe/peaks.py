@@ -7,9 +7,9 @@ the in-place write), the methods that rework every layer (`crop`, `reorder_cache
 copy's contents (`copy.copy` / `copy.deepcopy` call `__setstate__`). The registry wraps those (`CACHE_METHODS`,
 on the cache base class and on every subclass that defines its own) to call `Accounts` after them; the accounts
 then read the K and V tensors of the layers the call touched. Why not every attribute store of every layer (the
-first design): a Python `__setattr__` on the layer classes made each of the ~10 stores a cache makes in its first
-update a Python call, and the accounting ran per tensor rather than per update: 4.7 us per layer update and ~70 us
-per step in the engine tests' in-step owner, ten times this design's (docs/benchmarks.md, section 7).
+first design): a Python `__setattr__` on the layer classes made each of the stores a layer makes (its device, its
+flags, its lazily made empty tensors) a Python call, and the accounting ran per tensor assigned rather than per
+update: in the engine tests' in-step owner twice this design's cost (docs/benchmarks.md, section 7).
 
 Each storage is kept once, by data pointer (one address space per process: CUDA's unified addressing gives host
 and device memory distinct ones), with a count of the cache slots (a layer's K or V) holding it: it is charged to
