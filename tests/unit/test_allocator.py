@@ -3,12 +3,11 @@ until `return_free_memory` hands them back, and it does so only past its slack."
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
 
-from kv_exporter.sidecar.allocator import FREE_SLACK_BYTES, free_heap_bytes, return_free_memory
+from kv_exporter.sidecar.allocator import FREE_SLACK_BYTES, free_heap_bytes, resident_bytes, return_free_memory
 from tests.support.constants import MIB
 
 pytestmark = pytest.mark.skipif(free_heap_bytes() is None, reason="the C library is not glibc")
@@ -16,11 +15,6 @@ pytestmark = pytest.mark.skipif(free_heap_bytes() is None, reason="the C library
 BLOCK_BYTES = 1_100  # past pymalloc's 512 bytes: each block is glibc's
 BLOCKS = 30_000  # ~33 MB
 KEEP_EVERY = 64  # one live block in 64 pins the free ones below it
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def fragment_a_thread_heap(later: list[bytes] | None = None) -> list[bytes]:
