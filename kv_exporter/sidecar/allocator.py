@@ -115,11 +115,12 @@ def return_free_memory(slack_bytes: int = FREE_SLACK_BYTES) -> bool:
     if libc is None:
         return False
     with _Returned.lock:
-        free, resident = int(libc.mallinfo2().fordblks), resident_bytes()
+        free = int(libc.mallinfo2().fordblks)
         _Returned.free_bytes = min(_Returned.free_bytes, free)  # returned blocks reused since
-        freed = free > slack_bytes and free - _Returned.free_bytes > TRIM_MIN_BYTES
-        regrown = free > slack_bytes and resident - _Returned.resident_bytes > slack_bytes
-        if not (freed or regrown):
+        if free <= slack_bytes:  # a quiet scrape: no /proc read
+            return False
+        freed = free - _Returned.free_bytes > TRIM_MIN_BYTES
+        if not freed and resident_bytes() - _Returned.resident_bytes <= slack_bytes:  # nor regrown
             return False
         libc.malloc_trim(0)
         _Returned.free_bytes, _Returned.resident_bytes = int(libc.mallinfo2().fordblks), resident_bytes()
