@@ -20,6 +20,7 @@ torch is imported lazily: importing ``kv_exporter`` must never import torch (the
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,35 +46,52 @@ class StorageUnavailable(TypeError):
 class SeenStorages:
     """The storages counted so far: base pointers per device (views and layers sharing KV point at the same one).
 
-    Plain ints in `SHARDS` small sets, for the sampler's sake: one set growing past ~20,000 keys rehashes them
+    Each pointer keeps a weak reference to its storage (torch's own, to the storage itself rather than to a Python
+    wrapper of it): the sampler keeps one `SeenStorages` across its pauses, and a storage freed during one and its
+    address given to a new storage must not make the new one look counted. The weak references are given back in
+    `clear`. Plain ints in `SHARDS` small dicts, for the sampler's sake: one growing past ~20,000 keys rehashes them
     all at once (~1.4 ms), and as many (device, pointer) tuples take ~5 ms to free.
     """
 
     SHARDS = 61  # a prime: pointers aligned to any power of two still spread evenly
 
-    __slots__ = ("_by_device",)
+    __slots__ = ("_by_device", "_storage_type")
 
     def __init__(self) -> None:
-        self._by_device: dict[object, list[set[int]]] = {}
+        self._by_device: dict[object, list[dict[int, int]]] = {}
+        self._storage_type: Any = None  # torch.UntypedStorage, once a storage was seen
 
-    def add(self, device: object, pointer: int) -> bool:
+    def add(self, device: object, storage: Any) -> bool:
         """True when this storage was not seen yet (it is now)."""
         shards = self._by_device.get(device)
         if shards is None:
-            shards = self._by_device[device] = [set() for _ in range(self.SHARDS)]
+            shards = self._by_device[device] = [{} for _ in range(self.SHARDS)]
+        pointer: int = storage.data_ptr()
         shard = shards[pointer % self.SHARDS]
-        if pointer in shard:
-            return False
-        shard.add(pointer)
+        known = shard.get(pointer)
+        storage_type = self._storage_type = type(storage)
+        if known is not None:
+            if not storage_type._expired(known):
+                return False
+            storage_type._free_weak_ref(known)  # that storage is gone: this is another one at its address
+        shard[pointer] = storage._weak_ref()
         return True
 
     def clear(self, between: Callable[[], None]) -> None:
         """Forget every storage, one shard at a time, calling `between` after each."""
+        free = None if self._storage_type is None else self._storage_type._free_weak_ref
         for shards in self._by_device.values():
             for shard in shards:
+                if free is not None:
+                    for weak in shard.values():
+                        free(weak)
                 shard.clear()
                 between()
         self._by_device.clear()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # torch already torn down at exit: nothing left to give back to
+            self.clear(lambda: None)
 
 
 @dataclass(frozen=True)
@@ -220,4 +238,4 @@ def _new_storage_bytes(tensor: Any, seen: SeenStorages) -> int:
     nbytes: int = storage.nbytes()
     if nbytes == 0:
         return 0
-    return nbytes if seen.add(tensor.device, storage.data_ptr()) else 0
+    return nbytes if seen.add(tensor.device, storage) else 0

@@ -22,8 +22,9 @@ from transformers import (
     StaticCache,
     WhisperForConditionalGeneration,
 )
+from transformers.cache_utils import DynamicLayer
 
-from kv_exporter.cachebytes import measure_cache_bytes
+from kv_exporter.cachebytes import SeenStorages, held_bytes, measure_cache_bytes
 from kv_exporter.observation import UNATTRIBUTED_OWNER, ObservationState
 from kv_exporter.plugin import observe
 from tests.support.cache_models import (
@@ -252,6 +253,26 @@ def test_a_sample_holds_no_cache_while_it_pauses() -> None:
     assert alive_at_pause == [0]
     assert observation.state is ObservationState.OK
     assert sum(owner.caches for owner in observation.owners) < 2000  # those released at the pause are not counted
+
+
+def test_a_storage_freed_and_its_address_reused_is_counted_again() -> None:
+    """The sampler keeps what it has counted across its pauses: a storage freed during one, whose address a new
+    storage then takes, must not make the new one look counted already. The address is reused for certain here:
+    both storages are made over one buffer of this test's own."""
+    buffer = bytearray(1152)
+
+    def over_the_buffer() -> DynamicCache:
+        cache = DynamicCache()
+        cache.layers.append(DynamicLayer())
+        cache.layers[0].keys = torch.frombuffer(buffer, dtype=torch.float32)
+        return cache
+
+    seen = SeenStorages()
+    first = over_the_buffer()
+    counted = held_bytes(first, seen)
+    del first  # its storage with it: the buffer outlives both
+    second = over_the_buffer()
+    assert held_bytes(second, seen) == measure_cache_bytes(second).allocated_bytes == counted == len(buffer)
 
 
 def cache_doubled(x: torch.Tensor) -> torch.Tensor:
