@@ -59,7 +59,7 @@ class SeenStorages:
 
     def __init__(self) -> None:
         self._by_device: dict[object, list[dict[int, int]]] = {}
-        self._storage_type: Any = None  # torch.UntypedStorage, once a storage was seen
+        self._storage_type: Any = None  # torch.UntypedStorage (its weak-reference calls), from the first storage
 
     def add(self, device: object, storage: Any) -> bool:
         """True when this storage was not seen yet (it is now)."""
@@ -68,12 +68,13 @@ class SeenStorages:
             shards = self._by_device[device] = [{} for _ in range(self.SHARDS)]
         pointer: int = storage.data_ptr()
         shard = shards[pointer % self.SHARDS]
+        if self._storage_type is None:
+            self._storage_type = type(storage)
         known = shard.get(pointer)
-        storage_type = self._storage_type = type(storage)
         if known is not None:
-            if not storage_type._expired(known):
+            if not self._storage_type._expired(known):
                 return False
-            storage_type._free_weak_ref(known)  # that storage is gone: this is another one at its address
+            self._storage_type._free_weak_ref(known)  # that storage is gone: this is another one at its address
         shard[pointer] = storage._weak_ref()
         return True
 
