@@ -3,7 +3,7 @@
 Five rooms: the shared contract at the top (`protocol`, `dtypes`, `document`, `manifest`, `observation`, `procfs`,
 `printable`, `gpu`, `filestat`, `cachebytes`, `reference`), the engine side in `plugin` (the vLLM general plugin),
 the sidecar in `sidecar`, the exporter-toolkit web configuration in `web`, and HTTP/1.x bytes in `transport` (the
-server's connection loop and request heads, the engine-page client; docs/CONTRACTS.md). Importing this
+asyncio server, its connections and request heads, the engine-page client; docs/CONTRACTS.md). Importing this
 package must stay cheap and must never import torch or vllm: the sidecar imports it, and vLLM imports the plugin in
 every process it starts.
 """

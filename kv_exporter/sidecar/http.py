@@ -1,16 +1,16 @@
 """The HTTP server: /metrics, /healthz and the landing page, with the exporter-toolkit web configuration
 (`kv_exporter.web`) applied per connection (TLS) and per request (basic auth, headers) when one is given.
 
-One thread holds every connection (`connections.ConnectionLoop`: TLS, request heads read as Go reads them, deadlines,
-the connection cap); `WORKERS` threads answer complete requests. Authentication comes first, then the method, then
-the path, as behind the toolkit's middleware.
+The transport (`kv_exporter.transport.server`: an asyncio loop in one thread holding every connection, TLS, request
+heads read as Go reads them, deadlines, the connection cap) hands each complete request here; up to `MAX_WORKERS`
+threads answer them. Authentication comes first, then the method, then the path, as behind the toolkit's middleware.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-import queue
 import socket
 import threading
 from collections.abc import Mapping, Sequence
@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING
 
 from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import FlightTimeout
-from kv_exporter.transport.connection import Connection, Limits
-from kv_exporter.transport.connections import ConnectionLoop
+from kv_exporter.transport.connection import Limits, Reply
 from kv_exporter.transport.request_head import Request
+from kv_exporter.transport.server import Server
+from kv_exporter.transport.workers import Workers
 
 if TYPE_CHECKING:  # the web extra (pyyaml, bcrypt) is needed only with --web.config.file
     import ssl
@@ -79,13 +80,9 @@ class ExporterServer:
         self.web_config = web_config
         self.server_addresses: list[tuple[str, int]] = [listener.getsockname()[:2] for listener in listeners]
         self.server_address = self.server_addresses[0]
-        self._jobs: queue.SimpleQueue[tuple[Connection, Request] | None] = queue.SimpleQueue()
-        self._password_jobs: queue.SimpleQueue[tuple[Connection, Request] | None] = queue.SimpleQueue()
-        self._workers: list[threading.Thread] = []
-        self._password_workers: list[threading.Thread] = []
-        self._idle_workers = 0
-        self._workers_lock = threading.Lock()
-        self._loop = ConnectionLoop(listeners, self._submit, self._tls, limits)
+        self._workers = Workers(MAX_WORKERS, "kv-exporter")
+        self._password_workers = Workers(PASSWORD_CHECK_WORKERS, "kv-exporter-password")
+        self._server = Server(listeners, self._submit, self._tls, limits)
         self._max_requests = limits.max_requests
         self._scrape_slots = threading.BoundedSemaphore(limits.max_requests) if limits.max_requests else None
 
@@ -96,82 +93,57 @@ class ExporterServer:
 
     def serve_forever(self) -> None:
         try:
-            self._loop.run()
+            self._server.serve_forever()
         finally:
-            with self._workers_lock:
-                for _ in self._workers:
-                    self._jobs.put(None)
-                for _ in self._password_workers:
-                    self._password_jobs.put(None)
+            self._workers.close()
+            self._password_workers.close()
 
     def shutdown(self) -> None:
         """Stop `serve_forever`, closing every connection at once."""
-        self._loop.stop()
+        self._server.stop()
 
     def server_close(self) -> None:
-        self._loop.close()
+        self._server.close()
 
     def stop(self, grace_s: float) -> bool:
         """Stop accepting, let the answers in progress finish (at most `grace_s`), close. False if some did not.
 
         Answers finished meanwhile carry `Connection: close`; idle keep-alive connections are closed at once.
         """
-        finished = self._loop.drain(grace_s)
-        self._loop.stop()
-        self._loop.close()
+        finished = self._server.drain(grace_s)
+        self._server.stop()
+        self._server.close()
         return finished
 
     def _tls(self) -> tuple[ssl.SSLContext, frozenset[str] | None] | None:
-        """Per new connection: a reloaded config (a rotated certificate) applies from the next one on. Called by
-        the connection loop, which never waits for a check of the files."""
+        """Per new connection: a reloaded config (a rotated certificate) applies from the next one on. Called on
+        the server's loop, which never waits for a check of the files."""
         config = self.web_config_now(wait_s=0)
         context = None if config is None else config.ssl_context()
         return None if config is None or context is None else (context, config.allowed_sans)
 
-    def _submit(self, conn: Connection, request: Request) -> None:
-        if self._needs_password_check(request):
-            self._password_jobs.put((conn, request))
-            with self._workers_lock:
-                if len(self._password_workers) < PASSWORD_CHECK_WORKERS:
-                    worker = threading.Thread(target=self._work, args=(self._password_jobs, False),
-                                              name="kv-exporter-password", daemon=True)  # fmt: skip
-                    self._password_workers.append(worker)
-                    worker.start()
-            return
-        self._jobs.put((conn, request))
-        with self._workers_lock:
-            if self._idle_workers:
-                self._idle_workers -= 1  # that worker's job now
-            elif len(self._workers) < MAX_WORKERS:
-                # A daemon: a worker stuck in a collection that never returns must not hold up the exit.
-                name = f"kv-exporter-{len(self._workers)}"
-                worker = threading.Thread(target=self._work, args=(self._jobs, True), name=name, daemon=True)
-                self._workers.append(worker)
-                worker.start()
+    def _submit(self, request: Request) -> asyncio.Future[Reply]:
+        """On the server's loop: the answer to `request`, from a worker thread."""
+        workers = self._password_workers if self._needs_password_check(request) else self._workers
+        return workers.submit(self._serve_safely, request)
 
     def _needs_password_check(self, request: Request) -> bool:
-        """On the connection loop: whether answering would run bcrypt (never waiting for a web config check)."""
+        """On the server's loop: whether answering would run bcrypt (never waiting for a web config check)."""
         config = self.web_config_now(wait_s=0)
         return config is not None and config.known_auth(request.header("Authorization")) is None
 
-    def _work(self, jobs: queue.SimpleQueue[tuple[Connection, Request] | None], pooled: bool) -> None:
-        while (job := jobs.get()) is not None:
-            conn, request = job
-            try:
-                data, close = self._serve(request)
-            except Exception:  # a worker that died would leave its connection waiting for ever
-                log.exception("error answering %s", request.path)
-                data, close = (_INTERNAL_ERROR,), True
-            self._loop.answer(conn, data, close)
-            if pooled:
-                with self._workers_lock:
-                    self._idle_workers += 1
+    def _serve_safely(self, request: Request) -> Reply:
+        try:
+            return self._serve(request)
+        except Exception:  # a connection left without an answer would wait for ever
+            log.exception("error answering %s", request.path)
+            return (_INTERNAL_ERROR,), True
 
-    def _serve(self, request: Request) -> tuple[tuple[bytes, ...], bool]:
+    def _serve(self, request: Request) -> Reply:
         config = self.web_config_now()
         answer = self._answer(request, config)
         headers = {**answer.headers, **(config.headers if config is not None else {})}  # 401s included
-        close = request.close or self._loop.draining  # shutting down: no further request on this connection
+        close = request.close or self._server.draining  # shutting down: no further request on this connection
         return encode(request, answer, headers, close), close
 
     def _answer(self, request: Request, config: WebConfig | None) -> Answer:

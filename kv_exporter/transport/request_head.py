@@ -147,7 +147,7 @@ def _headers(lines: list[bytes]) -> dict[str, tuple[str, ...]]:
             raise BadRequest(400, "invalid header name")
         fields.append((name.lower(), value.strip(b" \t")))
     # Values gathered in lists, made tuples once: growing a tuple per repeated name made a head of 13,000 `a:b`
-    # lines cost ~0.8 s of the connection loop (quadratic).
+    # lines cost ~0.8 s of the server's loop (quadratic).
     gathered: dict[str, list[str]] = {}
     for name, value in fields:
         if _BAD_VALUE_BYTE.search(value):

@@ -81,7 +81,7 @@ class WebConfigReloader:
 
     def current(self, wait_s: float = CHECK_WAIT_S) -> WebConfig:
         """The config in force. When the last check is older than the interval, a new one starts and this caller
-        waits for it at most `wait_s` (0 for a caller that must never wait: the connection loop)."""
+        waits for it at most `wait_s` (0 for a caller that must never wait: the server's loop)."""
         if self._clock() - self._checked_at < self._interval:
             return self._config
         with self._lock:

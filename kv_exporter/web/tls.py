@@ -1,17 +1,14 @@
 """TLS for the exporter-toolkit web configuration: the server context, and the handshake of each connection.
 
 Go's `crypto/tls` names (client-auth policies, versions, cipher suites) are mapped onto Python's `ssl`; what `ssl`
-cannot honour is refused by `kv_exporter.web.config` when the file is read. `Handshake` runs each connection's
-handshake without blocking, so a slow client cannot stall the others, and answers plain HTTP sent to the TLS port
-the way Go does.
+cannot honour is refused by `kv_exporter.web.config` when the file is read. The handshake itself is the transport's
+(`kv_exporter.transport.connection`, on asyncio's TLS); `peer_allowed` is the one check it takes from here.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import logging
 import os
-import socket
 import ssl
 import warnings
 from collections.abc import Mapping
@@ -19,15 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
-
-logger = logging.getLogger("kv_exporter.web")
-
-HANDSHAKE_TIMEOUT_S = 10.0
-
-# What Go's net/http answers when plain HTTP reaches a TLS port, and the record starts it recognises as HTTP.
-PLAIN_HTTP_TO_TLS_RESPONSE = b"HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
-_HTTP_RECORD_STARTS = (b"GET /", b"HEAD ", b"POST ", b"PUT /", b"OPTIO")
-_TLS_HANDSHAKE_RECORD = 0x16
 
 # Go's client-auth policy names -> what Python's ssl can do. Go's "request a certificate but do not verify it"
 # policies have no Python equivalent (CERT_OPTIONAL verifies whatever is sent), so they are refused.
@@ -254,51 +242,3 @@ def peer_allowed(peercert: Mapping[str, Any] | None, allowed_sans: frozenset[str
     if not peercert:
         return False
     return any(_normalised_san(value) in allowed_sans for _, value in peercert.get("subjectAltName", ()))
-
-
-class Handshake:
-    """One server-side TLS handshake on a non-blocking socket, advanced by `step` whenever the socket is ready.
-
-    Plain HTTP sent to the TLS port gets Go's 400 answer (`reply`); a failed handshake (wrong or missing client
-    certificate, no common version) is logged at debug level only, since scanners would otherwise flood the log.
-    """
-
-    def __init__(self, sock: socket.socket, context: ssl.SSLContext, allowed_sans: frozenset[str] | None) -> None:
-        self.sock = sock  # the TLS socket once the first record shows a handshake
-        self.reply = b""  # what to send before closing a refused connection
-        self._context = context
-        self._allowed_sans = allowed_sans
-        self._tls: ssl.SSLSocket | None = None
-        self._plain = b""
-
-    def step(self) -> str:
-        """What next: wait until the socket is ready to "read" or "write"; "done": `sock` is ready for HTTP;
-        "refused": send `reply`, then close."""
-        try:
-            if self._tls is None:
-                return self._first_bytes()
-            self._tls.do_handshake()
-            if not peer_allowed(self._tls.getpeercert(), self._allowed_sans):
-                raise ssl.SSLError("client certificate carries none of client_allowed_sans")
-        except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
-            return "read"
-        except ssl.SSLWantWriteError:
-            return "write"
-        except OSError as exc:  # ssl.SSLError among them
-            logger.debug("TLS handshake failed: %s", exc)
-            return "refused"
-        return "done"
-
-    def _first_bytes(self) -> str:
-        """A TLS handshake record goes on; plain HTTP gets Go's answer; anything else is closed."""
-        if not self._plain and self.sock.recv(1, socket.MSG_PEEK) == bytes([_TLS_HANDSHAKE_RECORD]):
-            self._tls = self._context.wrap_socket(self.sock, server_side=True, do_handshake_on_connect=False)
-            self.sock = self._tls
-            return self.step()
-        chunk = self.sock.recv(len(_HTTP_RECORD_STARTS[0]) - len(self._plain))  # taken, not peeked: no busy wait
-        self._plain += chunk
-        if chunk and len(self._plain) < len(_HTTP_RECORD_STARTS[0]):
-            return "read"
-        if self._plain.startswith(_HTTP_RECORD_STARTS):
-            self.reply = PLAIN_HTTP_TO_TLS_RESPONSE
-        return "refused"

@@ -1,13 +1,18 @@
-"""The connection loop in this process, with small limits: who is dropped at the connection cap, the idle and head
-deadlines, pipelined and HEAD requests. The same against the sidecar process, with its real limits:
-tests/reliability/test_http_faults.py."""
+"""The transport in this process, with small limits: who is dropped at the connection cap, the idle and head
+deadlines, pipelined and HEAD requests, where heads are parsed. The same against the sidecar process, with its real
+limits: tests/reliability/test_http_faults.py."""
 
 from __future__ import annotations
 
 import socket
+import threading
 from pathlib import Path
 
+import pytest
+
+from kv_exporter.transport import connection, server
 from kv_exporter.transport.connection import Limits
+from kv_exporter.transport.request_head import Request, parse_head
 from tests.support.exporter import Exporter, exporter
 from tests.support.raw_http import Answers, Exchange, closed_within, exchange
 
@@ -65,3 +70,25 @@ def test_pipelined_requests_are_answered_in_order_and_head_has_no_body(tmp_path:
         assert got[0] is not None and got[1] is not None
         assert int(got[1][1]["content-length"]) > 1000  # the length of the page it leaves out
         assert answers.buffer == b""  # nothing after the three answers: HEAD's came without a body
+
+
+def test_a_large_head_is_parsed_off_the_loop_and_a_small_one_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client sending 64 KiB of header lines costs the head thread ~20 ms a head, not the loop every connection
+    waits on; a scraper's few hundred bytes take no thread hop."""
+    parsed: list[tuple[int, str]] = []
+
+    def recording(head: bytes) -> Request:
+        parsed.append((len(head), threading.current_thread().name))
+        return parse_head(head)
+
+    monkeypatch.setattr(connection, "parse_head", recording)
+    monkeypatch.setattr(server, "parse_head", recording)
+    large = GET[:-2] + b"a:b\r\n" * 10_000 + b"\r\n"
+    with exporter(tmp_path) as e:
+        assert exchange(address(e), large) == Exchange((200,), False)
+        assert exchange(address(e), GET) == Exchange((200,), False)
+    assert parsed[0] == (len(large), "kv-exporter-heads_0")
+    assert (len(GET), "kv-exporter-http") in parsed[1:]
+    assert {name for _, name in parsed[1:]} == {"kv-exporter-http"}

@@ -79,8 +79,8 @@ def test_the_contract_and_the_web_config_import_no_room_above_them() -> None:
     assert crossings == []
 
 
-# What the transport may use outside its room: the package version (the client's User-Agent) and the TLS handshake
-# machinery that the web configuration's module still holds (`web/tls.py`: plain `ssl`, nothing of the exporter).
+# What the transport may use outside its room: the package version (the client's User-Agent) and the client-certificate
+# SAN check of the web configuration's TLS module (`web/tls.py`: plain `ssl`, nothing of the exporter).
 TRANSPORT_MAY_IMPORT = {"kv_exporter", "kv_exporter.web.tls"}
 
 
@@ -96,7 +96,7 @@ def test_the_transport_imports_nothing_of_the_exporter() -> None:
     )
     assert crossings == []
     assert {name for name in MODULES if room(name) == "transport"} >= {
-        "kv_exporter.transport.connections", "kv_exporter.transport.request_head", "kv_exporter.transport.fetch"
+        "kv_exporter.transport.server", "kv_exporter.transport.request_head", "kv_exporter.transport.fetch"
     }  # fmt: skip
 
 

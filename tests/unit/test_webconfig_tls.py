@@ -23,9 +23,8 @@ from kv_exporter.manifest import write_manifest
 from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.http import ExporterServer, build_server, serve_in_thread
-from kv_exporter.transport.connection import Limits
+from kv_exporter.transport.connection import PLAIN_HTTP_TO_TLS_RESPONSE, Limits
 from kv_exporter.web.reload import WebConfigReloader
-from kv_exporter.web.tls import PLAIN_HTTP_TO_TLS_RESPONSE
 from tests.support import net
 from tests.support.manifests import reference_manifest
 from tests.support.pki import PKI, Issued, client_context, make_pki
@@ -311,7 +310,7 @@ def test_a_rotated_server_certificate_is_served_to_new_connections(tmp_path: Pat
     shutil.copy(rotated.server.key, own.server.key)
     time.sleep(0.01)  # a different mtime even on coarse-grained filesystems
     os.utime(own.server.key)
-    # The connection loop never waits for a check of the files: the first connection after the change starts
+    # The server's loop never waits for a check of the files: the first connection after the change starts
     # one and may still get the old certificate; the connections after that check get the new one.
     with contextlib.suppress(ssl.SSLError, ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected):
         get(running, client_context(own))
