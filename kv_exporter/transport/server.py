@@ -204,6 +204,11 @@ class Server:
             sock.close()  # every connection is being answered: the newcomer is the one to go
             return
         sock.setblocking(False)
+        # Head and body go out in separate segments without waiting for an ACK (a 40 ms delayed-ACK stall on every
+        # keep-alive scrape otherwise). asyncio sets it only on sockets whose `proto` says TCP, and an accepted
+        # socket's says 0.
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         assert self._loop is not None
         conn = Connection(self, sock, self._loop)
         self._connections.add(conn)
