@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import sys
 import tempfile
 import threading
@@ -26,6 +27,8 @@ back for a third of the run time (the single-client p99), then N clients at once
 keep-alive connection in this process, each scraping back to back (no pause) with Prometheus' headers for the
 run time. Errors: any exception, non-200 or empty body. Collections are counted at the engines (each collection
 fetches every page once), so scrapes per collection shows how much concurrent scrapes share.
+With --compare-with REF, the sidecar as of REF runs the same phases after ours, then the two alternate in six short
+concurrent rounds (the order flipping each round) for ratios the machine's drift falls on equally.
 """
 
 
@@ -96,6 +99,7 @@ def main() -> int:
             )
             earlier = dataclasses.replace(running, sidecar=sidecar)
             show(report, f"at {args.compare_with}: ", *both_phases(earlier, args.clients, args.seconds))
+            side_by_side(report, running, earlier, args.compare_with, args.clients, args.seconds)
     factor = show(report, "", single, many)
     shown = "; ".join(sorted(set(many.errors))[:3])
     report.check("no errors", f"{len(many.errors)} errors" + (f" ({shown})" if shown else ""), not many.errors)
@@ -107,6 +111,26 @@ def main() -> int:
 def both_phases(running: Running, clients: int, seconds: float) -> tuple[Phase, Phase]:
     run_phase(running, 1, 2)  # warm-up
     return run_phase(running, 1, seconds / 3), run_phase(running, clients, seconds)
+
+
+def side_by_side(
+    report: Report, ours: Running, earlier: Running, ref: str, clients: int, seconds: float, rounds: int = 6
+) -> None:
+    """The two sidecars' concurrent phases alternated in `rounds` short rounds (the order flipping each round), so
+    that the machine's drift falls on both: CPU per scrape and scrapes per second as per-round ratios, medians."""
+    cpu, rate = [], []
+    for index in range(rounds):
+        phases: dict[int, Phase] = {}
+        for which in (0, 1) if index % 2 else (1, 0):
+            phases[which] = run_phase((ours, earlier)[which], clients, seconds / rounds)
+        per_scrape = [phase.cpu_s / max(1, len(phase.samples)) for phase in (phases[0], phases[1])]
+        cpu.append(per_scrape[0] / per_scrape[1])
+        rate.append(len(phases[0].samples) / max(1, len(phases[1].samples)))
+    shown = ", ".join(f"{value:.2f}" for value in cpu)
+    report.note(
+        f"interleaved, {rounds} rounds: CPU per scrape (ours / {ref})", f"{statistics.median(cpu):.3f} ({shown})"
+    )
+    report.note(f"interleaved, {rounds} rounds: scrapes (ours / {ref})", f"{statistics.median(rate):.3f}")
 
 
 def show(report: Report, prefix: str, single: Phase, many: Phase) -> float:

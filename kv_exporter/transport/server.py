@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Request], "asyncio.Future[Reply]"]
 TLSForNewConnection = Callable[[], tuple[ssl.SSLContext, frozenset[str] | None] | None]
 _ACCEPTS_PER_WAKE = 64
+_RECV_BYTES = 64 << 10
 _ACCEPT_RETRY_S = 1.0  # out of descriptors with nothing to drop: accept again after this, or once one closes
 
 
@@ -44,6 +45,7 @@ class Server:
             listener.setblocking(False)
         self.limits = limits
         self.draining = False  # read by the application: answers from now on close their connection
+        self.inbox = memoryview(bytearray(_RECV_BYTES))
         self._listeners = list(listeners)  # emptied once closed
         self._handler = handler
         self._tls = tls

@@ -2,6 +2,8 @@
 
 Not `concurrent.futures.ThreadPoolExecutor`: its threads are joined when the interpreter exits, so one job stuck in a
 call that never returns would hold up the exit; these are daemons. Threads start as jobs need them, up to `size`.
+Answers finished together (the scrapes sharing one collection) wake the loop once: a wake-up each cost ~10% more
+CPU a scrape at 32 scrapers.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class Workers:
         self._threads: list[threading.Thread] = []
         self._idle = 0
         self._lock = threading.Lock()
+        self._done: list[tuple[asyncio.Future[Any], Callable[..., None], Any]] = []  # for the loop to settle
+        self._waking = False  # a wake-up of the loop is on its way
 
     def submit(self, work: Callable[[T], Any], arg: T) -> asyncio.Future[Any]:
         """On the loop: `work(arg)` in a worker; the future gets its result (or its exception)."""
@@ -53,17 +57,25 @@ class Workers:
                 outcome: tuple[Callable[..., None], Any] = (_set_result, work(arg))
             except Exception as exc:
                 outcome = (_set_exception, exc)
-            with contextlib.suppress(RuntimeError):  # the loop has ended: nobody waits for the answer
-                loop.call_soon_threadsafe(outcome[0], future, outcome[1])
             with self._lock:
                 self._idle += 1
+                self._done.append((future, *outcome))
+                wake, self._waking = not self._waking, True
+            if wake:  # one wake-up of the loop for the answers finished together (a shared collection's)
+                with contextlib.suppress(RuntimeError):  # the loop has ended: nobody waits for the answers
+                    loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            done, self._done, self._waking = self._done, [], False
+        for future, settle, value in done:
+            if not future.done():
+                settle(future, value)
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
+    future.set_result(value)
 
 
 def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
+    future.set_exception(exc)

@@ -109,3 +109,14 @@ def test_keep_alive_answers_wait_for_no_delayed_ack(tmp_path: Path) -> None:
             assert answers.next(10) is not None
             seconds.append(time.monotonic() - started)
     assert statistics.median(seconds[1:]) < 0.015, seconds
+
+
+def test_a_client_that_shuts_its_side_after_its_request_gets_the_answer(tmp_path: Path) -> None:
+    """`printf 'GET ...' | nc -N`: the end of input arrives while the request is answered; the answer still goes
+    out, then the connection closes."""
+    with exporter(tmp_path) as e, socket.create_connection(address(e), timeout=10) as conn:
+        conn.sendall(GET)
+        conn.shutdown(socket.SHUT_WR)
+        answer = Answers(conn).next(10)
+        assert answer is not None and answer[0] == 200
+        assert closed_within(conn, 5) is not None
