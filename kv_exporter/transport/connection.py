@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 import ssl
 import sys
@@ -81,6 +82,7 @@ class Host(Protocol):
     def waiting(self, conn: Connection, first: bool = False) -> None: ...  # may be dropped for a newcomer
     def busy(self, conn: Connection) -> None: ...  # being answered: never dropped
     def forget(self, conn: Connection) -> None: ...
+    def deadline_at(self, deadline: float) -> None: ...  # a connection's deadline: sweep by then
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -94,8 +96,7 @@ class Connection(asyncio.BufferedProtocol):
         self.scanned = 0  # how much of `buffer` was searched for the end of a head
         self.discard = 0  # body bytes still to drop
         self.close_after = False
-        self.deadline = 0.0
-        self._timer: asyncio.TimerHandle | None = None
+        self.deadline = math.inf  # the server's sweep closes the connection once it passes (none while answered)
         self._refused = False  # not TLS on the TLS port: closed at once
         self._refusal = b""  # what it is sent first: Go's answer to plain HTTP
         self._plain = b""  # the first bytes of such a connection
@@ -265,7 +266,7 @@ class Connection(asyncio.BufferedProtocol):
         assert self.transport is not None
         self.state = State.PARSE
         self.host.busy(self)  # its request has arrived: never dropped for a newcomer
-        self._cancel_timer()
+        self.deadline = math.inf
         self.transport.pause_reading()
         self.host.parse(head).add_done_callback(self._parsed_aside)
 
@@ -291,7 +292,7 @@ class Connection(asyncio.BufferedProtocol):
         assert self.transport is not None
         self.state = State.BUSY
         self.host.busy(self)
-        self._cancel_timer()  # no deadline for the application: the collection has its own
+        self.deadline = math.inf  # no deadline for the application: the collection has its own
         if self._tls:  # asyncio's TLS closes at the client's end of input: wait with it in the kernel
             self.transport.pause_reading()
         self.host.handle(request).add_done_callback(self._answered)
@@ -363,12 +364,11 @@ class Connection(asyncio.BufferedProtocol):
             return False
 
     def set_deadline(self, deadline: float) -> None:
-        self._cancel_timer()
         self.deadline = deadline
-        self._timer = self.loop.call_at(deadline, self._expired)
+        self.host.deadline_at(deadline)
 
-    def _expired(self) -> None:
-        self._timer = None
+    def expire(self) -> None:
+        """Past its deadline (the server's sweep found it)."""
         log.debug("closing a connection past its %s deadline", self.state.value)
         self.abort()
 
@@ -390,10 +390,5 @@ class Connection(asyncio.BufferedProtocol):
         if self.state is State.CLOSED:
             return
         self.state = State.CLOSED
-        self._cancel_timer()
+        self.deadline = math.inf
         self.host.forget(self)
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None

@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import errno
 import logging
+import math
 import socket
 import ssl
 import threading
@@ -32,6 +33,7 @@ Handler = Callable[[Request], "asyncio.Future[Reply]"]
 TLSForNewConnection = Callable[[], tuple[ssl.SSLContext, frozenset[str] | None] | None]
 _ACCEPTS_PER_WAKE = 64
 _RECV_BYTES = 64 << 10
+_SWEEP_SLACK_S = 0.001  # asyncio runs a timer up to its clock resolution early: a deadline due now is past
 _ACCEPT_RETRY_S = 1.0  # out of descriptors with nothing to drop: accept again after this, or once one closes
 
 
@@ -53,6 +55,8 @@ class Server:
         self._waiting: OrderedDict[Connection, None] = OrderedDict()  # not being answered, longest-waiting first
         self._busy: set[Connection] = set()
         self._at_cap = self._accepting = False
+        self._next_sweep = math.inf
+        self._sweeping: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self._stop_asked = False
@@ -128,6 +132,25 @@ class Server:
             self._at_cap = False
         if not self._accepting and self._listeners:  # paused, out of descriptors: one was just freed
             self._watch_listeners(True)
+
+    def deadline_at(self, deadline: float) -> None:
+        """One timer for every connection's deadline (a timer per connection, set and cancelled two or three times a
+        request, cost more than the sweep: most new deadlines fall after the one already scheduled)."""
+        if deadline < self._next_sweep and self._loop is not None:
+            if self._sweeping is not None:
+                self._sweeping.cancel()
+            self._next_sweep = deadline
+            self._sweeping = self._loop.call_at(deadline, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close the connections past their deadline; schedule the next sweep at the earliest deadline left."""
+        assert self._loop is not None
+        self._sweeping, self._next_sweep = None, math.inf
+        now = self._loop.time() + _SWEEP_SLACK_S
+        for conn in list(self._connections):
+            if conn.deadline <= now:
+                conn.expire()
+        self.deadline_at(min((conn.deadline for conn in self._connections), default=math.inf))
 
     def _release(self, conn: Connection) -> None:
         self._busy.discard(conn)
