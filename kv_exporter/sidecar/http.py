@@ -21,14 +21,12 @@ from typing import TYPE_CHECKING
 
 from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import FlightTimeout
-from kv_exporter.transport.connection import Limits, Reply
+from kv_exporter.transport.connection import TLS, Limits, Reply
 from kv_exporter.transport.request_head import Request
 from kv_exporter.transport.server import Server
 from kv_exporter.transport.workers import Workers
 
 if TYPE_CHECKING:  # the web extra (pyyaml, bcrypt) is needed only with --web.config.file
-    import ssl
-
     from kv_exporter.web.config import WebConfig
     from kv_exporter.web.reload import WebConfigReloader
 
@@ -115,7 +113,7 @@ class ExporterServer:
         self._server.close()
         return finished
 
-    def _tls(self) -> tuple[ssl.SSLContext, frozenset[str] | None] | None:
+    def _tls(self) -> TLS | None:
         """Per new connection: a reloaded config (a rotated certificate) applies from the next one on. Called on
         the server's loop, which never waits for a check of the files."""
         config = self.web_config_now(wait_s=0)

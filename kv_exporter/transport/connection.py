@@ -46,6 +46,7 @@ PLAIN_HTTP_TO_TLS_RESPONSE = b"HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HT
 _HTTP_RECORD_STARTS = (b"GET /", b"HEAD ", b"POST ", b"PUT /", b"OPTIO")
 _TLS_HANDSHAKE_RECORD = b"\x16"
 
+TLS = tuple[ssl.SSLContext, frozenset[str] | None]  # a new connection's context and its client_allowed_sans
 Reply = tuple[tuple[bytes, ...], bool]  # the bytes to send (a head, then a body many answers may share), close after
 
 
@@ -97,8 +98,7 @@ class Connection(asyncio.BufferedProtocol):
         self.discard = 0  # body bytes still to drop
         self.close_after = False
         self.deadline = math.inf  # the server's sweep closes the connection once it passes (none while answered)
-        self._refused = False  # not TLS on the TLS port: closed at once
-        self._refusal = b""  # what it is sent first: Go's answer to plain HTTP
+        self._refusal: bytes | None = None  # not TLS on the TLS port: sent (maybe Go's 400), then close
         self._plain = b""  # the first bytes of such a connection
         self._allowed_sans: frozenset[str] | None = None
         self._request: Request | None = None
@@ -107,13 +107,13 @@ class Connection(asyncio.BufferedProtocol):
 
     # -- starting: plain, or TLS once the first byte shows a handshake --------------------------------------------
 
-    def start(self, tls: tuple[ssl.SSLContext, frozenset[str] | None] | None) -> None:
+    def start(self, tls: TLS | None) -> None:
         limits = self.host.limits
         if tls is None:
-            self.set_deadline(self.loop.time() + limits.head_timeout_s)
+            self.expire_in(limits.head_timeout_s)
             self._starting = self.loop.create_task(self._open(None))
             return
-        self.set_deadline(self.loop.time() + limits.handshake_timeout_s)
+        self.expire_in(limits.handshake_timeout_s)
         context, self._allowed_sans = tls
         self.loop.add_reader(self.sock.fileno(), self._first_bytes, context)
 
@@ -136,7 +136,6 @@ class Connection(asyncio.BufferedProtocol):
         self.loop.remove_reader(self.sock.fileno())
         # Closed either way, after Go's answer to plain HTTP; through a lingering close, so that neither that answer
         # nor the end of the connection is lost to a reset.
-        self._refused = True
         self._refusal = PLAIN_HTTP_TO_TLS_RESPONSE if self._plain.startswith(_HTTP_RECORD_STARTS) else b""
         self._starting = self.loop.create_task(self._open(None))
 
@@ -168,7 +167,7 @@ class Connection(asyncio.BufferedProtocol):
         self.transport = transport
         self._starting = None
         transport.set_write_buffer_limits(high=0)  # paused while anything is unsent: resume_writing means sent
-        if self._refused:
+        if self._refusal is not None:
             self.host.busy(self)
             self._send((self._refusal,), close=True)
             return
@@ -180,7 +179,7 @@ class Connection(asyncio.BufferedProtocol):
         self.state = State.HEAD
         self._tls = transport.get_extra_info("sslcontext") is not None
         if self._tls:
-            self.set_deadline(self.loop.time() + self.host.limits.head_timeout_s)
+            self.expire_in(self.host.limits.head_timeout_s)
         self.host.waiting(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -283,7 +282,7 @@ class Connection(asyncio.BufferedProtocol):
             self.abort()
             return
         self.host.waiting(self)
-        self.set_deadline(self.loop.time() + self.host.limits.head_timeout_s)  # for the body to drop
+        self.expire_in(self.host.limits.head_timeout_s)  # for the body to drop
         self.transport.resume_reading()
         self._parsed(future.result())
         self._advance()
@@ -319,7 +318,7 @@ class Connection(asyncio.BufferedProtocol):
         assert self.transport is not None
         self.state = State.WRITE
         self.close_after = self.close_after or close  # already set when the client has shut its side
-        self.set_deadline(self.loop.time() + self.host.limits.write_timeout_s)
+        self.expire_in(self.host.limits.write_timeout_s)
         # One system call for head and body, as the hand-written loop made with sendmsg: asyncio joins them before
         # 3.12 and sends them without a copy from 3.12 on.
         self.transport.writelines([part for part in data if part])
@@ -335,7 +334,7 @@ class Connection(asyncio.BufferedProtocol):
         self.state = State.HEAD
         self.host.waiting(self)
         limits = self.host.limits
-        self.set_deadline(self.loop.time() + (limits.head_timeout_s if self.buffer else limits.idle_timeout_s))
+        self.expire_in(limits.head_timeout_s if self.buffer else limits.idle_timeout_s)
         self.transport.resume_reading()
         if self.buffer:  # a pipelined request came with the last one
             self._advance()
@@ -349,7 +348,7 @@ class Connection(asyncio.BufferedProtocol):
         self.discard = _LINGER_BYTES
         self.buffer.clear()
         self.host.waiting(self, first=True)  # the first to go when room is needed
-        self.set_deadline(self.loop.time() + LINGER_S)
+        self.expire_in(LINGER_S)
         if self.transport.can_write_eof():
             self.transport.write_eof()
             self.transport.resume_reading()
@@ -362,6 +361,9 @@ class Connection(asyncio.BufferedProtocol):
             return bool(socket.socket.recv(self.sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
         except OSError:  # nothing there (EAGAIN), or reset: nothing worth keeping
             return False
+
+    def expire_in(self, seconds: float) -> None:
+        self.set_deadline(self.loop.time() + seconds)
 
     def set_deadline(self, deadline: float) -> None:
         self.deadline = deadline

@@ -19,18 +19,17 @@ import errno
 import logging
 import math
 import socket
-import ssl
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kv_exporter.transport.connection import Connection, Limits, Reply, State
+from kv_exporter.transport.connection import TLS, Connection, Limits, Reply, State
 from kv_exporter.transport.request_head import Request, parse_head
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Request], "asyncio.Future[Reply]"]
-TLSForNewConnection = Callable[[], tuple[ssl.SSLContext, frozenset[str] | None] | None]
+TLSForNewConnection = Callable[[], TLS | None]
 _ACCEPTS_PER_WAKE = 64
 _RECV_BYTES = 64 << 10
 _SWEEP_SLACK_S = 0.001  # asyncio runs a timer up to its clock resolution early: a deadline due now is past
@@ -55,7 +54,6 @@ class Server:
         self._waiting: OrderedDict[Connection, None] = OrderedDict()  # not being answered, longest-waiting first
         self._busy: set[Connection] = set()
         self._at_cap = self._accepting = False
-        self._next_sweep = math.inf
         self._sweeping: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
@@ -136,16 +134,17 @@ class Server:
     def deadline_at(self, deadline: float) -> None:
         """One timer for every connection's deadline (a timer per connection, set and cancelled two or three times a
         request, cost more than the sweep: most new deadlines fall after the one already scheduled)."""
-        if deadline < self._next_sweep and self._loop is not None:
+        if self._loop is None or deadline == math.inf:
+            return
+        if self._sweeping is None or deadline < self._sweeping.when():
             if self._sweeping is not None:
                 self._sweeping.cancel()
-            self._next_sweep = deadline
             self._sweeping = self._loop.call_at(deadline, self._sweep)
 
     def _sweep(self) -> None:
         """Close the connections past their deadline; schedule the next sweep at the earliest deadline left."""
         assert self._loop is not None
-        self._sweeping, self._next_sweep = None, math.inf
+        self._sweeping = None
         now = self._loop.time() + _SWEEP_SLACK_S
         for conn in list(self._connections):
             if conn.deadline <= now:

@@ -27,7 +27,7 @@ class Workers:
         self._threads: list[threading.Thread] = []
         self._idle = 0
         self._lock = threading.Lock()
-        self._done: list[tuple[asyncio.Future[Any], Callable[..., None], Any]] = []  # for the loop to settle
+        self._done: list[tuple[asyncio.Future[Any], Any, bool]] = []  # (future, result or exception, failed)
         self._waking = False  # a wake-up of the loop is on its way
 
     def submit(self, work: Callable[[T], Any], arg: T) -> asyncio.Future[Any]:
@@ -54,9 +54,9 @@ class Workers:
         while (job := self._jobs.get()) is not None:
             loop, future, work, arg = job
             try:
-                outcome: tuple[Callable[..., None], Any] = (_set_result, work(arg))
+                outcome: tuple[Any, bool] = (work(arg), False)
             except Exception as exc:
-                outcome = (_set_exception, exc)
+                outcome = (exc, True)
             with self._lock:
                 self._idle += 1
                 self._done.append((future, *outcome))
@@ -68,14 +68,10 @@ class Workers:
     def _deliver(self) -> None:
         with self._lock:
             done, self._done, self._waking = self._done, [], False
-        for future, settle, value in done:
-            if not future.done():
-                settle(future, value)
-
-
-def _set_result(future: asyncio.Future[Any], value: Any) -> None:
-    future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
-    future.set_exception(exc)
+        for future, value, failed in done:
+            if future.done():
+                continue
+            if failed:
+                future.set_exception(value)
+            else:
+                future.set_result(value)
