@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -32,24 +33,36 @@ from bench.deployment import (
     verify,
     write_deployment,
 )
+from bench.floor_server import capture_response, start_floor
 from kv_exporter.plugin.settings import DEFAULT_OBSERVE_INTERVAL_S
+from tests.support.node_exporter import node_exporter
 
 OURS, BASELINE = "kv-exporter", "baseline (plain gauges)"
 OBSERVED = "kv-exporter, observed"
+FLOOR = "floor (raw server, kv-exporter's bytes)"
+NODE = "node_exporter (default collectors)"
+PEERS = (BASELINE, FLOOR, NODE)  # not kv-exporter: their CPU is not the sidecars'
 # The observed page carries each owner's series on top of the declarations': it costs more in proportion. What must
 # not change is the cost of a series: the observed set's median per series within 10% of the declared-only one's.
 OBSERVED_BUDGET = 0.10
 MEDIAN_MS = 5.0
 IDLE_GAP_S = 1.0
 P99_MS = 20.0
+# Issue 22's targets, all against peers timed in the same interleaved run.
+FLOOR_RATIO = 4.0  # median scrape / the floor's median, serving the same bytes
+NODE_PER_SERIES_RATIO = 0.25  # median per 1,000 series / node_exporter's
+P99_OVER_MEDIAN = 3.0
 
 METHOD = f"""
 The sidecar (`kv-exporter serve`, NVML simulated as 8 GPUs) reads {SCRAPE_LAYOUT.workers} manifests
 ({SCRAPE_LAYOUT.declarations} declarations: 8 GPUs x 3 stages x 6) and 3 engine pages, each the recorded
 vLLM 0.32 page (599 lines) served by a separate engine process, its running count changing on every request.
 The client, in this process, scrapes over HTTP with Prometheus 2.42's headers (OpenMetrics, gzip) on a
-keep-alive connection, timing request to last body byte. Baseline, same run, same client: prometheus_client's
-start_http_server in its own process serving plain Gauges holding exactly the same series.
+keep-alive connection, timing request to last body byte. Peers, same run, same client: prometheus_client's
+start_http_server in its own process serving plain Gauges holding exactly the same series (the baseline); the floor,
+a raw socket server (bench/floor_server.py) answering every request with the response one kv-exporter scrape returned,
+headers and gzip body byte for byte; Debian's prometheus-node-exporter with its default collectors (its own series
+count: per-series figures divide by each page's series).
 Runs alternate in blocks of 100 scrapes, the first of each block not counted (a wake-up after idling, shown
 apart: "first scrape after 1 s idle"); 50 warm-up scrapes each are not counted. CPU: each server process's
 user + system time over its counted scrapes (less noisy than wall time on a shared machine).
@@ -69,15 +82,15 @@ def main() -> int:
     args = parser.parse_args()
     report = Report("Target 1: scrape latency (8 GPUs x 3 stages x 6 declarations, 3 engines)", METHOD)
     report.start()
-    with tempfile.TemporaryDirectory() as tmp, children() as kids:
+    with tempfile.TemporaryDirectory() as tmp, children() as kids, contextlib.ExitStack() as peers:
         subjects, series, engines_cpu = measure(
-            kids, Path(tmp), args.scrapes, args.compare_with, args.idle_scrapes, report
+            kids, peers, Path(tmp), args.scrapes, args.compare_with, args.idle_scrapes, report
         )
     stats = {name: summarize(subject.samples) for name, subject in subjects.items()}
     for name, subject in subjects.items():
         report.stats(f"{name} scrape", stats[name])
         report.note(f"{name}: CPU ms per scrape", f"{subject.cpu_s * 1000 / len(subject.samples):.2f}")
-    sidecar_scrapes = sum(len(s.samples) for name, s in subjects.items() if name != BASELINE)
+    sidecar_scrapes = sum(len(s.samples) for name, s in subjects.items() if name not in PEERS)
     report.note("the 3 engines: CPU ms per sidecar scrape", f"{engines_cpu * 1000 / sidecar_scrapes:.2f}")
     ours = stats[OURS]
     for other in (name for name in subjects if name != OURS):
@@ -86,6 +99,16 @@ def main() -> int:
         report.ratio(f"CPU ({OURS} / {other})", subjects[OURS].cpu_s, subjects[other].cpu_s)
     report.check(f"median <= {MEDIAN_MS:g} ms", f"{ours.median:.2f} ms", ours.median <= MEDIAN_MS)
     report.check(f"p99 <= {P99_MS:g} ms", f"{ours.p99:.2f} ms", ours.p99 <= P99_MS)
+    floor = ours.median / stats[FLOOR].median
+    report.check(f"median <= {FLOOR_RATIO:g}x the floor's", f"{floor:.2f} x", floor <= FLOOR_RATIO)
+    node = (ours.median / series[OURS]) / (stats[NODE].median / series[NODE])
+    report.note(f"CPU per series ({OURS} / {NODE})", f"{_cpu_per_series(subjects, series, OURS, NODE):.3f}")
+    report.check(
+        f"median per 1,000 series <= {NODE_PER_SERIES_RATIO:g}x node_exporter's", f"{node:.3f} x",
+        node <= NODE_PER_SERIES_RATIO,
+    )  # fmt: skip
+    spread = ours.p99 / ours.median
+    report.check(f"p99 <= {P99_OVER_MEDIAN:g}x the median", f"{spread:.2f} x", spread <= P99_OVER_MEDIAN)
     observed = stats[OBSERVED].median / ours.median
     per_series = observed * series[OURS] / series[OBSERVED]
     report.note(f"median ({OBSERVED} / {OURS})", f"{observed:.3f}")
@@ -100,8 +123,21 @@ def main() -> int:
     return 0
 
 
+def _cpu_per_series(subjects: dict[str, Subject], series: dict[str, int], one: str, other: str) -> float:
+    def per_series(name: str) -> float:
+        return subjects[name].cpu_s / len(subjects[name].samples) / series[name]
+
+    return per_series(one) / per_series(other)
+
+
 def measure(
-    kids: Children, tmp: Path, scrapes: int, compare_with: str | None, idle_scrapes: int, report: Report
+    kids: Children,
+    peers: contextlib.ExitStack,
+    tmp: Path,
+    scrapes: int,
+    compare_with: str | None,
+    idle_scrapes: int,
+    report: Report,
 ) -> tuple[dict[str, Subject], dict[str, int], float]:
     """Scrape every subject `scrapes` times (after 50 uncounted); returns them, the series on the two sidecars' pages
     and the engines' CPU seconds."""
@@ -119,10 +155,18 @@ def measure(
         raise RuntimeError(f"the observed sidecar exports no usable observation; see {observed_folder}")
     series[OBSERVED] = series_count(equivalent_spec(observed_page))
     report.note("series on the observed page", series[OBSERVED])
+    ours = Scraper("127.0.0.1", running.port)
+    _, body, headers = ours.scrape()
+    floor_pid, floor_port = start_floor(kids, capture_response(body, headers), tmp)
+    node, (_, node_port) = peers.enter_context(node_exporter(tmp, flags=()))
+    series[NODE] = series_count(equivalent_spec(text_page(node_port)))
+    report.note(f"series on {NODE}'s page", series[NODE])
     subjects = {
-        OURS: Subject(running.sidecar.pid, Scraper("127.0.0.1", running.port)),
+        OURS: Subject(running.sidecar.pid, ours),
         OBSERVED: Subject(observed.pid, Scraper("127.0.0.1", observed.port)),
         BASELINE: Subject(baseline_pid, Scraper("127.0.0.1", baseline_port)),
+        FLOOR: Subject(floor_pid, Scraper("127.0.0.1", floor_port)),
+        NODE: Subject(node.pid, Scraper("127.0.0.1", node_port)),
     }
     if compare_with:
         source = source_at(compare_with, tmp)

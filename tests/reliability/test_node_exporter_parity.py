@@ -101,7 +101,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[tuple[st
     workdir = tmp_path_factory.mktemp("parity")
     with (
         sidecar(workdir, "--manifest-dir", str(workdir / "m"), *SIMULATE_GPU) as sc,
-        node_exporter(workdir) as reference,
+        node_exporter(workdir) as (_, reference),
     ):
         yield ("127.0.0.1", sc.port), reference
         assert sc.stop() == 0
