@@ -29,8 +29,9 @@ from kv_exporter.printable import printable
 from kv_exporter.procfs import current_pid_namespace
 from kv_exporter.sidecar.allocator import return_free_memory
 from kv_exporter.sidecar.budget import DEFAULT_MAX_LABEL_BYTES, DEFAULT_MAX_SERIES, SeriesCap
+from kv_exporter.sidecar.declared import DeclaredCache
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
-from kv_exporter.sidecar.families import families
+from kv_exporter.sidecar.families import DeclarationFamilies, families
 from kv_exporter.sidecar.inputs import EnginePages, ManifestStore, ObservationAccount, assess, read_gpus
 from kv_exporter.sidecar.records import GpuResult
 from kv_exporter.sidecar.snapshot import Snapshot, build_snapshot
@@ -143,6 +144,7 @@ class Collection:
         self.store = ManifestStore(settings.manifest_dir, settings.manifest_limits)
         self.pages = EnginePages(settings.targets, settings.fetch_timeout_s, settings.max_page_bytes)
         self.observations = ObservationAccount()
+        self.declared = DeclaredCache()
         nvml = gpu_reader is not None and gpu_reader.source == SOURCE_NVML
         self.nvml_errors_total: Counter[str] = Counter(dict.fromkeys(NVML_ERROR_REASONS if nvml else (), 0))
         self._last_nvml_error: str | None = None
@@ -172,6 +174,7 @@ class Collection:
             observation_errors_total=dict(self.observations.errors_total),
             duration_s=time.perf_counter() - started,
             taken_at=now,
+            cache=self.declared,
         )
         self._account_series(snapshot)
         return_free_memory()  # what a large input (now gone) left in the heaps: see allocator.py
@@ -217,6 +220,7 @@ class KVCollector(Collector):
 
     def __init__(self, collection: Collection) -> None:
         self.collection = collection
+        self.declarations = DeclarationFamilies()
 
     def collect(self) -> Iterable[Metric]:
-        return families(self.collection.snapshot())
+        return families(self.collection.snapshot(), self.declarations)

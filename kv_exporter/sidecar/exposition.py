@@ -28,12 +28,21 @@ class GaugeRows(GaugeMetricFamily):
     def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
         self.label_names = tuple(labels)
         self.rows: list[tuple[tuple[str, ...], float]] = []
+        self.frozen = False
         super().__init__(name, documentation, labels=list(labels))
 
     def add_metric(self, labels: Sequence[str], value: float, timestamp: float | Timestamp | None = None) -> None:
+        if self.frozen:
+            raise ValueError(f"{self.name}: frozen")
         if timestamp is not None or len(labels) != len(self.label_names):
             raise ValueError(f"{self.name}: want {len(self.label_names)} label values and no timestamp")
         self.rows.append((tuple(labels), value))
+
+    def freeze(self) -> GaugeRows:
+        """No more series: `Exposition` then renders this family once and reuses the text while it is passed the
+        same object."""
+        self.frozen = True
+        return self
 
     @property
     def samples(self) -> list[Sample]:
@@ -79,35 +88,42 @@ class Exposition:
     def __init__(self) -> None:
         self._labels: _LabelTexts = {}
         self._values: dict[float, str] = {}
+        self._frozen: dict[bool, _FrozenTexts] = {False: {}, True: {}}  # per format: OpenMetrics or not
 
     def render(self, metrics: Iterable[Metric], content_type: str) -> bytes | None:
         if _escaping(content_type) not in _SAME_FOR_LEGACY_NAMES:
             return None
-        page = _Page(content_type.startswith("application/openmetrics-text"), self._labels, self._values)
+        openmetrics = content_type.startswith("application/openmetrics-text")
+        page = _Page(openmetrics, self._labels, self._values, self._frozen[openmetrics])
         if not all(page.family(metric) for metric in metrics):
             return None
         # Keep what this page used; concurrent renders at worst miss the cache.
-        self._labels, self._values = page.labels, page.values
+        self._labels, self._values, self._frozen[openmetrics] = page.labels, page.values, page.frozen
         return page.text()
 
 
 _LabelTexts = dict[tuple[str, ...], dict[tuple[str, ...], str]]  # label names -> label values -> `{...}` text
+# id of a frozen family -> the family and its text; holding the family keeps its id from being reused meanwhile
+_FrozenTexts = dict[int, tuple["GaugeRows", str]]
 
 
 class _Page:
     """One rendering: the lines so far, and the label and value texts it used (seeded from the last page's)."""
 
-    def __init__(self, openmetrics: bool, labels: _LabelTexts, values: dict[float, str]) -> None:
+    def __init__(self, openmetrics: bool, labels: _LabelTexts, values: dict[float, str], frozen: _FrozenTexts) -> None:
         self.openmetrics = openmetrics
-        self.previous_labels, self.previous_values = labels, values
+        self.previous_labels, self.previous_values, self.previous_frozen = labels, values, frozen
         self.labels: _LabelTexts = {}
         self.values: dict[float, str] = {}
+        self.frozen: _FrozenTexts = {}
         self.out: list[str] = []
 
     def family(self, metric: Metric) -> bool:
         sample_name = {"gauge": metric.name, "counter": f"{metric.name}_total"}.get(metric.type)
         if sample_name is None or metric.unit or not _LEGACY_NAME.match(metric.name):
             return False
+        if isinstance(metric, GaugeRows) and metric.frozen:
+            return self.frozen_family(metric, sample_name)
         self.out.append(_header(metric.name, metric.documentation, metric.type, self.openmetrics))
         if isinstance(metric, GaugeRows):
             return self.series(sample_name, metric.label_names, metric.rows)
@@ -119,6 +135,20 @@ class _Page:
                 return False  # prometheus_client prints empty labels of other families; only GaugeRows omit them
             rows.append(((tuple(sample.labels), tuple(sample.labels.values())), sample.value))
         return all(self.series(sample_name, names, [(values, value)]) for (names, values), value in rows)
+
+    def frozen_family(self, metric: GaugeRows, sample_name: str) -> bool:
+        """A frozen family's text, made the first time this format is asked for it."""
+        known = self.previous_frozen.get(id(metric))
+        if known is None:
+            mark = len(self.out)
+            self.out.append(_header(metric.name, metric.documentation, metric.type, self.openmetrics))
+            if not self.series(sample_name, metric.label_names, metric.rows):
+                return False
+            known = (metric, "".join(self.out[mark:]))
+            del self.out[mark:]
+        self.out.append(known[1])
+        self.frozen[id(metric)] = known
+        return True
 
     def series(self, sample_name: str, names: tuple[str, ...], rows: Iterable[tuple[tuple[str, ...], float]]) -> bool:
         texts = self.labels.get(names)

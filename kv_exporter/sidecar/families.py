@@ -8,6 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kv_exporter.manifest import PodInfo
 from kv_exporter.sidecar.buildinfo import build_info
+from kv_exporter.sidecar.declared import Declared, PlacedDeclaration
 from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.exposition import GaugeRows
 from kv_exporter.sidecar.observed import Observed, ObservedState
@@ -40,50 +41,73 @@ def _engine(key: EngineKey) -> tuple[str, str, str]:
     return (key.model_name, str(key.stage), str(key.engine))
 
 
-def _declaration_labels(view: DeclarationView) -> tuple[str, ...]:
-    d = view.declaration
-    where = (view.gpu, view.uuid, *_pod(view.pod))
-    return (view.model_name, str(view.stage), str(view.engine), d.owner, d.name, d.scope.value, d.rows.value, *where)
+def _declaration_labels(placed: PlacedDeclaration) -> tuple[str, ...]:
+    d, where = placed.declaration, placed.placement
+    engine = _engine(placed.engine)
+    return (*engine, d.owner, d.name, d.scope.value, d.rows.value, where.gpu, where.uuid, *_pod(placed.pod))
 
 
-def declaration_families(views: Sequence[DeclarationView]) -> list[Metric]:
-    per_row = GaugeRows("model_local_kv_bytes_per_row", "Bytes in one row.", DECLARATION_LABELS)
-    ceiling = GaugeRows(
-        "model_local_kv_ceiling_bytes",
-        "Bytes at the engine's max_num_seqs rows (rows_fixed for driver=fixed).",
-        DECLARATION_LABELS,
-    )
-    estimate = GaugeRows(
-        "model_local_kv_estimated_bytes",
-        "Bytes at the live running count capped at max_num_seqs (rows_fixed for driver=fixed; 0 rows for "
-        "driver=max_num_seqs while the engine cannot be read).",
-        DECLARATION_LABELS,
-    )
-    positions = GaugeRows(
-        "model_local_kv_capacity_positions", "Positions one row can physically hold.", DECLARATION_LABELS
-    )
-    info = GaugeRows(
-        "model_local_kv_declaration_info",
-        "Declaration metadata (value 1).",
-        DECLARATION_LABELS + INFO_EXTRA_LABELS,
-    )
-    for labels, group in _merge_duplicates(views).items():
-        first = group[0].declaration
-        per_row.add_metric(labels, first.bytes_per_row)
-        ceiling.add_metric(labels, sum(v.ceiling_bytes for v in group))
-        estimate.add_metric(labels, sum(v.estimate_bytes for v in group))
-        positions.add_metric(labels, first.physical_capacity_positions)
-        extra = (first.dtype, first.capacity_source, str(first.rows_fixed), first.rows_reason)
-        info.add_metric((*labels, *extra, first.allocation_note or ""), 1)
-    return [per_row, ceiling, estimate, positions, info]
+class _Declared:
+    """The declaration families of one `Declared`: four that no running count moves, made once (frozen), and the
+    label sets the estimate family repeats on every scrape."""
+
+    def __init__(self, declared: Declared) -> None:
+        self.declared = declared
+        # Ranks of one engine sharing a GPU would repeat a label set: their bytes add up under one series.
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for index, placed in enumerate(declared.ordered):
+            groups.setdefault(_declaration_labels(placed), []).append(index)
+        self.groups = [(labels, tuple(indices)) for labels, indices in groups.items()]
+        per_row = GaugeRows("model_local_kv_bytes_per_row", "Bytes in one row.", DECLARATION_LABELS)
+        ceiling = GaugeRows(
+            "model_local_kv_ceiling_bytes",
+            "Bytes at the engine's max_num_seqs rows (rows_fixed for driver=fixed).",
+            DECLARATION_LABELS,
+        )
+        positions = GaugeRows(
+            "model_local_kv_capacity_positions", "Positions one row can physically hold.", DECLARATION_LABELS
+        )
+        info = GaugeRows(
+            "model_local_kv_declaration_info",
+            "Declaration metadata (value 1).",
+            DECLARATION_LABELS + INFO_EXTRA_LABELS,
+        )
+        ordered = declared.ordered
+        for labels, at in self.groups:
+            first = ordered[at[0]].declaration
+            per_row.add_metric(labels, first.bytes_per_row)
+            ceiling.add_metric(labels, sum(ordered[i].ceiling_bytes for i in at))
+            positions.add_metric(labels, first.physical_capacity_positions)
+            extra = (first.dtype, first.capacity_source, str(first.rows_fixed), first.rows_reason)
+            info.add_metric((*labels, *extra, first.allocation_note or ""), 1)
+        self.unmoving = [f.freeze() for f in (per_row, ceiling, positions, info)]
+
+    def families(self, views: Sequence[DeclarationView]) -> list[Metric]:
+        """`views`: the declarations of this `Declared`, in its order, at this scrape's running counts."""
+        estimate = GaugeRows(
+            "model_local_kv_estimated_bytes",
+            "Bytes at the live running count capped at max_num_seqs (rows_fixed for driver=fixed; 0 rows for "
+            "driver=max_num_seqs while the engine cannot be read).",
+            DECLARATION_LABELS,
+        )
+        for labels, at in self.groups:
+            estimate.add_metric(labels, sum(views[i].estimate_bytes for i in at))
+        per_row, ceiling, positions, info = self.unmoving
+        return [per_row, ceiling, estimate, positions, info]
 
 
-def _merge_duplicates(views: Iterable[DeclarationView]) -> dict[tuple[str, ...], list[DeclarationView]]:
-    """Ranks of one engine sharing a GPU would repeat a label set: their bytes add up under one series."""
-    groups: dict[tuple[str, ...], list[DeclarationView]] = {}
-    for view in views:
-        groups.setdefault(_declaration_labels(view), []).append(view)
-    return groups
+class DeclarationFamilies:
+    """The declaration families of a snapshot, reusing the last one's unmoving four while its `Declared` is the same
+    object (the snapshot's cache keeps it so while no manifest changes what it declares)."""
+
+    def __init__(self) -> None:
+        self._last = _Declared(Declared((), ()))
+
+    def __call__(self, snapshot: Snapshot) -> list[Metric]:
+        last = self._last
+        if last.declared is not snapshot.declared:
+            self._last = last = _Declared(snapshot.declared)
+        return last.families(snapshot.declarations)
 
 
 def engine_families(engines: Sequence[EngineView], pages: Sequence[PageResult]) -> list[Metric]:
@@ -283,9 +307,10 @@ def _by_configured_target(counts: dict[tuple[str, str], int]) -> list[tuple[tupl
     return sorted(counts.items(), key=lambda item: (position[item[0][0]], item[0][1]))
 
 
-def families(snapshot: Snapshot) -> list[Metric]:
+def families(snapshot: Snapshot, declarations: DeclarationFamilies | None = None) -> list[Metric]:
+    """`declarations`: the last scrape's declaration families, to reuse what did not change."""
     return [
-        *declaration_families(snapshot.declarations),
+        *(declarations or DeclarationFamilies())(snapshot),
         *engine_families(snapshot.engines, snapshot.pages),
         *gpu_families(snapshot.gpus),
         *observed_families(snapshot.observed),

@@ -20,7 +20,7 @@ from enum import Enum
 from kv_exporter.manifest import Manifest, PodInfo
 from kv_exporter.observation import ObservationState
 from kv_exporter.sidecar.engine_page import EngineKey
-from kv_exporter.sidecar.records import GpuResult, ManifestEntry, engine_key, first_rank, placement
+from kv_exporter.sidecar.records import GpuResult, ManifestEntry, Placement, engine_key, first_rank, placement
 
 STALE_AFTER_INTERVALS = 3
 STALE_GRACE_S = 10.0
@@ -68,8 +68,7 @@ class OwnerView:
     """One owner of one engine on one GPU: observed beside declared."""
 
     key: EngineKey
-    gpu: str
-    uuid: str
+    placement: Placement
     pod: PodInfo
     owner: str
     observed_bytes: int
@@ -78,6 +77,14 @@ class OwnerView:
     declares: bool
     running: int | None  # the engine's running count, capped at max_num_seqs (None: unreadable)
     max_num_seqs: int
+
+    @property
+    def gpu(self) -> str:
+        return self.placement.gpu
+
+    @property
+    def uuid(self) -> str:
+        return self.placement.uuid
 
     @property
     def unexplained_bytes(self) -> int:
@@ -116,11 +123,18 @@ class CudaView:
     """torch's allocator figures, summed over an engine's workers on one GPU."""
 
     key: EngineKey
-    gpu: str
-    uuid: str
+    placement: Placement
     pod: PodInfo
     allocated_bytes: int
     reserved_bytes: int
+
+    @property
+    def gpu(self) -> str:
+        return self.placement.gpu
+
+    @property
+    def uuid(self) -> str:
+        return self.placement.uuid
 
 
 @dataclass(frozen=True)
@@ -128,11 +142,6 @@ class Observed:
     owners: tuple[OwnerView, ...] = ()
     engines: tuple[EngineObservation, ...] = ()
     cuda: tuple[CudaView, ...] = ()
-
-
-def _place(manifest: Manifest, gpu: GpuResult) -> tuple[str, str]:
-    index, uuid = placement(manifest, gpu)
-    return ("" if index is None else str(index)), uuid
 
 
 def observe(
@@ -148,7 +157,7 @@ def observe(
     )
 
 
-_OwnerKey = tuple[EngineKey, str, str, PodInfo, str]  # engine, gpu, UUID, pod, owner
+_OwnerKey = tuple[EngineKey, Placement, PodInfo, str]  # engine, GPU, pod, owner
 
 
 @dataclass
@@ -165,7 +174,7 @@ def _owner_views(
 ) -> list[OwnerView]:
     tallies: dict[_OwnerKey, _Tally] = {}
     for m in manifests:
-        base = (engine_key(m), *_place(m, gpu), m.pod)
+        base = (engine_key(m), placement(m, gpu), m.pod)
         assert m.observation is not None  # usable ones have one
         for held in m.observation.owners:
             tally = tallies.setdefault((*base, held.owner), _Tally(m.max_num_seqs))
@@ -176,13 +185,12 @@ def _owner_views(
             tally.ceiling += d.peak_bytes(m.max_num_seqs)
             tally.declares = True
     views = []
-    for (key, gpu_label, uuid, pod, owner), tally in tallies.items():
+    for (key, where, pod, owner), tally in tallies.items():
         known = running.get(key)
         views.append(
             OwnerView(
                 key=key,
-                gpu=gpu_label,
-                uuid=uuid,
+                placement=where,
                 pod=pod,
                 owner=owner,
                 observed_bytes=tally.held,
@@ -216,12 +224,13 @@ def _engine_observations(manifests: Iterable[Manifest], now: float) -> list[Engi
 
 
 def _cuda_views(manifests: Iterable[Manifest], gpu: GpuResult) -> list[CudaView]:
-    sums: dict[tuple[EngineKey, str, str, PodInfo], list[int]] = {}
+    sums: dict[tuple[EngineKey, Placement, PodInfo], list[int]] = {}
     for m in manifests:
         cuda = m.observation.cuda if m.observation else None
         if cuda is None:
             continue
-        row = sums.setdefault((engine_key(m), *_place(m, gpu), m.pod), [0, 0])
+        row = sums.setdefault((engine_key(m), placement(m, gpu), m.pod), [0, 0])
         row[0] += cuda.allocated_bytes
         row[1] += cuda.reserved_bytes
-    return [CudaView(k, g, u, p, a, r) for (k, g, u, p), (a, r) in sorted(sums.items(), key=lambda item: item[0][:3])]
+    ordered = sorted(sums.items(), key=lambda item: (item[0][0], item[0][1].gpu, item[0][1].uuid))
+    return [CudaView(key, where, pod, a, r) for (key, where, pod), (a, r) in ordered]

@@ -52,19 +52,47 @@ class GpuResult:
         return self.enabled and self.error is None
 
 
+DeviceKey = tuple[str, int | None]  # (UUID, None) for a placement by UUID, ("", index) for one by index
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The GPU a manifest's declarations sit on, as its series label it: `gpu` (the NVML index, "" when unknown) and
+    `UUID` ("" when unknown). A device is matched by the UUID when there is one, which then decides alone; else by
+    the index."""
+
+    index: int | None
+    uuid: str
+
+    @property
+    def gpu(self) -> str:
+        return "" if self.index is None else str(self.index)
+
+    @property
+    def key(self) -> DeviceKey:
+        return (self.uuid, None) if self.uuid else ("", self.index)
+
+    def on(self, device: GpuMemory) -> bool:
+        return self.key in device_keys(device)
+
+
+def device_keys(device: GpuMemory) -> tuple[DeviceKey, ...]:
+    """The `Placement.key`s that put something on `device`."""
+    by_index: DeviceKey = ("", device.index)
+    return ((device.uuid, None), by_index) if device.uuid else (by_index,)
+
+
+def recorded_placement(manifest: Manifest) -> Placement:
+    return Placement(manifest.device.index, manifest.device.uuid or "")
+
+
 def on_device(manifest: Manifest, device: GpuMemory) -> bool:
     """A manifest's GPU by UUID when it recorded one, else by NVML index."""
-    return _placed_on(manifest.device.uuid or "", manifest.device.index, device)
+    return recorded_placement(manifest).on(device)
 
 
-def _placed_on(uuid: str, index: int | None, device: GpuMemory) -> bool:
-    if uuid:
-        return uuid == device.uuid
-    return index is not None and index == device.index
-
-
-def placement(manifest: Manifest, gpu: GpuResult) -> tuple[int | None, str]:
-    """(index, UUID) of the GPU a manifest's declarations sit on.
+def placement(manifest: Manifest, gpu: GpuResult) -> Placement:
+    """Where a manifest's declarations sit.
 
     As recorded, except that a simulated device stands in for the GPU of an engine that recorded none (a CPU
     engine in the demo or the end-to-end tests): that is what simulating a device is for. Real NVML readings never
@@ -72,8 +100,8 @@ def placement(manifest: Manifest, gpu: GpuResult) -> tuple[int | None, str]:
     """
     recorded = manifest.device
     if recorded.uuid is None and recorded.index is None and gpu.source == SOURCE_SIMULATED and len(gpu.devices) == 1:
-        return gpu.devices[0].index, gpu.devices[0].uuid
-    return recorded.index, recorded.uuid or ""
+        return Placement(gpu.devices[0].index, gpu.devices[0].uuid)
+    return recorded_placement(manifest)
 
 
 def engine_key(manifest: Manifest) -> EngineKey:

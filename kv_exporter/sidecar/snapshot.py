@@ -15,35 +15,78 @@ from typing import TypeVar
 from kv_exporter.gpu import GpuMemory
 from kv_exporter.manifest import Declaration, Manifest, PodInfo
 from kv_exporter.sidecar.budget import NO_CAP, SeriesCap, limit_series
+from kv_exporter.sidecar.declared import Declared, DeclaredCache, PlacedDeclaration, declared
 from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.liveness import State, Verdict
 from kv_exporter.sidecar.observed import Observed, OwnerView, observe
-from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, engine_key, first_rank, placement
+from kv_exporter.sidecar.records import (
+    DeviceKey,
+    GpuResult,
+    ManifestEntry,
+    PageResult,
+    Placement,
+    device_keys,
+    engine_key,
+    first_rank,
+    placement,
+)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DeclarationView:
     """One live declaration with its figures at the engine's max_num_seqs and at the live running count."""
 
-    model_name: str
-    stage: int
-    engine: int
-    gpu: str
-    uuid: str
-    pod: PodInfo
-    declaration: Declaration
-    max_num_seqs: int
+    placed: PlacedDeclaration
     running: int | None
-    ceiling_rows: int
     estimate_rows: int
 
     @property
+    def key(self) -> EngineKey:
+        return self.placed.engine
+
+    @property
+    def model_name(self) -> str:
+        return self.placed.engine.model_name
+
+    @property
+    def stage(self) -> int:
+        return self.placed.engine.stage
+
+    @property
+    def engine(self) -> int:
+        return self.placed.engine.engine
+
+    @property
+    def gpu(self) -> str:
+        return self.placed.placement.gpu
+
+    @property
+    def uuid(self) -> str:
+        return self.placed.placement.uuid
+
+    @property
+    def pod(self) -> PodInfo:
+        return self.placed.pod
+
+    @property
+    def declaration(self) -> Declaration:
+        return self.placed.declaration
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.placed.max_num_seqs
+
+    @property
+    def ceiling_rows(self) -> int:
+        return self.placed.ceiling_rows
+
+    @property
     def ceiling_bytes(self) -> int:
-        return self.declaration.bytes_per_row * self.ceiling_rows
+        return self.placed.ceiling_bytes
 
     @property
     def estimate_bytes(self) -> int:
-        return self.declaration.bytes_per_row * self.estimate_rows
+        return self.placed.declaration.bytes_per_row * self.estimate_rows
 
     @property
     def headroom_needed(self) -> int:
@@ -80,6 +123,7 @@ class GpuView:
 @dataclass(frozen=True)
 class Snapshot:
     manifests: tuple[ManifestEntry, ...]
+    declared: Declared  # what `declarations` are the views of: the same object while no manifest changes it
     declarations: tuple[DeclarationView, ...]
     engines: tuple[EngineView, ...]
     pages: tuple[PageResult, ...]
@@ -121,37 +165,20 @@ def running_counts(pages: Sequence[PageResult]) -> RunningCounts:
     return found
 
 
-def declaration_views(
-    entries: Sequence[ManifestEntry], running: dict[EngineKey, tuple[int, str]], gpu: GpuResult
-) -> list[DeclarationView]:
+def declaration_views(declared: Declared, running: RunningCounts) -> list[DeclarationView]:
     views = []
-    for entry in entries:
-        m = entry.manifest
-        if m is None or not entry.live:
-            continue
-        known = running.get(engine_key(m))
-        index, uuid = placement(m, gpu)
-        for d in m.declarations:
-            # Engine unreadable: MAX_NUM_SEQS rows fall back to 0, so the projected peak stays an upper bound.
-            live_rows = d.rows_at(min(known[0], m.max_num_seqs)) if known else d.rows_at(0)
-            views.append(
-                DeclarationView(
-                    model_name=m.engine.model_name,
-                    stage=m.engine.stage,
-                    engine=m.engine.engine_index,
-                    gpu="" if index is None else str(index),
-                    uuid=uuid,
-                    pod=m.pod,
-                    declaration=d,
-                    max_num_seqs=m.max_num_seqs,
-                    running=known[0] if known else None,
-                    ceiling_rows=d.row_count(m.max_num_seqs),
-                    estimate_rows=live_rows,
-                )
-            )
-    return sorted(
-        views, key=lambda v: (v.model_name, v.stage, v.engine, v.gpu, v.declaration.owner, v.declaration.name)
-    )
+    for placed in declared.ordered:
+        known = running.get(placed.engine)
+        # Engine unreadable: MAX_NUM_SEQS rows fall back to 0, so the projected peak stays an upper bound.
+        rows = placed.declaration.rows_at(min(known[0], placed.max_num_seqs) if known else 0)
+        views.append(DeclarationView(placed, known[0] if known else None, rows))
+    return views
+
+
+def _placed(
+    entries: Sequence[ManifestEntry], gpu: GpuResult, cache: DeclaredCache
+) -> list[tuple[PlacedDeclaration, ...]]:
+    return [cache.place(e.manifest, placement(e.manifest, gpu)) for e in entries if e.manifest is not None and e.live]
 
 
 def engine_views(
@@ -186,29 +213,23 @@ def safe_max_num_seqs(
     """Largest M with used + sum(bytes_per_row * max(0, M - estimated rows)) <= total, over this GPU's
     max_num_seqs-driven declarations and the owners whose unexplained bytes grow with running sequences (every
     engine on the GPU at the same M); None when there are none."""
-    # (bytes per row, rows now) pairs: the search below evaluates peak() ~30 times per GPU.
     scaling = [
-        (v.declaration.bytes_per_row, v.estimate_rows) for v in views if v.declaration.rows.scales_with_max_num_seqs
-    ] + [(o.unexplained_per_sequence, o.running or 0) for o in owners if o.unexplained_per_sequence]
-    if not scaling:
+        (v.estimate_rows, v.declaration.bytes_per_row) for v in views if v.declaration.rows.scales_with_max_num_seqs
+    ] + [(o.running or 0, o.unexplained_per_sequence) for o in owners if o.unexplained_per_sequence]
+    if not any(per_row for _, per_row in scaling):  # nothing grows
         return None
-
-    def peak(m: int) -> int:
-        return device.used + sum(per_row * (m - rows) for per_row, rows in scaling if m > rows)
-
-    if peak(0) > device.total:
+    free = device.total - device.used
+    if free < 0:
         return 0
-    # peak(hi) > total: the cheapest row alone overflows the free bytes by then.
-    cheapest_per_row, cheapest_rows = min(scaling)
-    low = 0
-    high = cheapest_rows + (device.total - device.used) // cheapest_per_row + 1
-    while high - low > 1:
-        middle = (low + high) // 2
-        if peak(middle) <= device.total:
-            low = middle
-        else:
-            high = middle
-    return low
+    # The growth at M, sum(per_row * (M - rows)) over rows < M, is linear between two consecutive row counts:
+    # slope * M - offset over the pairs below. Walk them in order until the growth passes `free`.
+    slope = offset = 0
+    for rows, per_row in sorted(scaling):
+        if slope * rows - offset > free:
+            break
+        slope += per_row
+        offset += per_row * rows
+    return (free + offset) // slope
 
 
 def gpu_views(
@@ -216,13 +237,13 @@ def gpu_views(
 ) -> list[GpuView]:
     result = []
     # Grouped in one pass each, not one pass per device (docs/benchmarks.md, target 1).
-    views_at = _by_place(((v.uuid, _index(v.gpu)), v) for v in views)
-    owners_at = _by_place(((o.uuid, _index(o.gpu)), o) for o in owners)
-    pids_at = _by_place((_place(e.manifest, gpu), e.manifest.process.pid) for e in entries if e.manifest and e.live)
+    views_at = _by_place((v.placed.placement, v) for v in views)
+    owners_at = _by_place((o.placement, o) for o in owners)
+    pids_at = _by_place((placement(e.manifest, gpu), e.manifest.process.pid) for e in entries if e.manifest and e.live)
     for device in gpu.devices:
-        mine = _placed(views_at, device)
-        held = _placed(owners_at, device)
-        pids = set(_placed(pids_at, device))
+        mine = _on(views_at, device)
+        held = _on(owners_at, device)
+        pids = set(_on(pids_at, device))
         listed = gpu.processes.get(device.index, {})
         unexplained_growth = sum(o.unexplained_growth_bytes for o in held)
         result.append(
@@ -239,32 +260,19 @@ def gpu_views(
     return result
 
 
-def _index(gpu_label: str) -> int | None:
-    return None if gpu_label == "" else int(gpu_label)
-
-
-_Place = tuple[str, int | None]  # (UUID or "", index): what `records.on_device` matches a device by
-
-
-def _place(manifest: Manifest, gpu: GpuResult) -> _Place:
-    index, uuid = placement(manifest, gpu)
-    return uuid, index
-
-
 P = TypeVar("P")
 
 
-def _by_place(items: Iterable[tuple[_Place, P]]) -> dict[_Place, list[P]]:
-    groups: dict[_Place, list[P]] = {}
-    for place, item in items:
-        # A UUID decides alone (see _placed_on): keyed by it, the index is irrelevant.
-        groups.setdefault((place[0], None) if place[0] else place, []).append(item)
+def _by_place(items: Iterable[tuple[Placement, P]]) -> dict[DeviceKey, list[P]]:
+    groups: dict[DeviceKey, list[P]] = {}
+    for where, item in items:
+        groups.setdefault(where.key, []).append(item)
     return groups
 
 
-def _placed(groups: dict[_Place, list[P]], device: GpuMemory) -> list[P]:
-    """The items `_placed_on` would put on `device`."""
-    return groups.get((device.uuid, None), []) + groups.get(("", device.index), [])
+def _on(groups: dict[DeviceKey, list[P]], device: GpuMemory) -> list[P]:
+    """The items `Placement.on` puts on `device`."""
+    return [item for key in device_keys(device) for item in groups.get(key, ())]
 
 
 def _mark_dropped(entries: Sequence[ManifestEntry], dropped: Sequence[ManifestEntry]) -> list[ManifestEntry]:
@@ -290,18 +298,24 @@ def build_snapshot(
     observation_errors_total: dict[str, int] | None = None,
     duration_s: float = 0.0,
     taken_at: float = 0.0,
+    cache: DeclaredCache | None = None,
 ) -> Snapshot:
-    """Pure: the same inputs give the same snapshot. `taken_at` is also the time observations are judged at."""
+    """The same inputs give the same snapshot; `cache` (the last scrapes' work) only saves rebuilding what they
+    share. `taken_at` is also the time observations are judged at."""
+    cache = DeclaredCache() if cache is None else cache
     running = running_counts(pages)
     limited = limit_series(entries, running, cap)
     kept, dropped = limited.kept, limited.dropped
-    views = declaration_views(kept, running, gpu)
+    declared_now = cache.declared(_placed(kept, gpu, cache))
+    views = declaration_views(declared_now, running)
     observed = observe(kept, running, gpu, taken_at)
     # The cap limits series, not truth: left-out manifests still count in their GPU's projected peak.
-    unexported = declaration_views(dropped, running, gpu) if dropped else []
+    unexported = declaration_views(declared(_placed(dropped, gpu, cache)), running) if dropped else []
+    cache.end_scrape()
     unexported_owners = observe(dropped, running, gpu, taken_at).owners if dropped else ()
     return Snapshot(
         manifests=tuple(_mark_dropped(entries, dropped) if dropped else entries),
+        declared=declared_now,
         declarations=tuple(views),
         engines=tuple(engine_views(kept, running, limited.page_engines)),
         pages=tuple(pages),

@@ -177,7 +177,7 @@ def test_safe_max_num_seqs_matches_brute_force(used: int, free: int, rows: list[
         decl = replace(
             view.declaration, dtype="uint8", layers=1, kv_heads=1, head_dim=1, physical_capacity_positions=per_row
         )
-        views.append(replace(view, declaration=decl, estimate_rows=estimate))
+        views.append(replace(view, placed=replace(view.placed, declaration=decl), estimate_rows=estimate))
     assert safe_max_num_seqs(device, views) == brute_force_safe(device, [(2 * b, e) for b, e in rows])
 
 

@@ -1,0 +1,114 @@
+"""What only the manifests decide: each live declaration placed on its GPU with its ceiling, in page order.
+
+None of it depends on a running count, so it is built when a manifest is read and reused until the manifest's
+declarations, engine, pod, max_num_seqs or placement change (a worker rewriting its manifest with a new observation
+changes none of them). Reuse is by identity all the way down: an unchanged input gives the same object, which lets
+the metric families and the exposition reuse what they made from it in turn (docs/benchmarks.md, section 11).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from kv_exporter.manifest import Declaration, Manifest, PodInfo
+from kv_exporter.sidecar.engine_page import EngineKey
+from kv_exporter.sidecar.records import Placement, engine_key
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedDeclaration:
+    """One declaration of a live manifest, on the GPU its manifest sits on."""
+
+    engine: EngineKey
+    placement: Placement
+    pod: PodInfo
+    declaration: Declaration
+    max_num_seqs: int
+    ceiling_rows: int
+
+    @property
+    def ceiling_bytes(self) -> int:
+        return self.declaration.bytes_per_row * self.ceiling_rows
+
+
+def place(manifest: Manifest, placement: Placement) -> tuple[PlacedDeclaration, ...]:
+    key = engine_key(manifest)
+    return tuple(
+        PlacedDeclaration(key, placement, manifest.pod, d, manifest.max_num_seqs, d.row_count(manifest.max_num_seqs))
+        for d in manifest.declarations
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Declared:
+    """Every exported live declaration, sorted as the page lists them: by engine, GPU label, owner and cache name."""
+
+    ordered: tuple[PlacedDeclaration, ...]
+    placed: tuple[tuple[PlacedDeclaration, ...], ...]  # per manifest, what `ordered` was sorted from
+
+
+def declared(placed: Sequence[tuple[PlacedDeclaration, ...]]) -> Declared:
+    ordered = sorted(
+        itertools.chain.from_iterable(placed),
+        key=lambda p: (p.engine, p.placement.gpu, p.declaration.owner, p.declaration.name),
+    )
+    return Declared(tuple(ordered), tuple(placed))
+
+
+_Placed = tuple[PlacedDeclaration, ...]
+
+
+class _Key:
+    """A dictionary key whose hash is computed once: the value a manifest is placed by holds its declarations, and
+    hashing those again on every scrape would cost most of what reusing them saves."""
+
+    __slots__ = ("hash", "value")
+
+    def __init__(self, value: Hashable) -> None:
+        self.value = value
+        self.hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Key) and self.hash == other.hash and self.value == other.value
+
+
+class DeclaredCache:
+    """The last scrape's `place` and `declared` results, returned again for the same inputs.
+
+    A manifest object the store re-used is found by identity; a re-read one by the value of what `place` reads (and
+    then still gives the objects made before). Whatever a scrape did not ask for is dropped at `end_scrape`.
+    """
+
+    def __init__(self) -> None:
+        self._by_object: dict[int, tuple[Manifest, Placement, _Key, _Placed]] = {}
+        self._by_value: dict[_Key, _Placed] = {}
+        self._used_objects: dict[int, tuple[Manifest, Placement, _Key, _Placed]] = {}
+        self._used_values: dict[_Key, _Placed] = {}
+        self._declared = Declared((), ())
+
+    def place(self, manifest: Manifest, placement: Placement) -> _Placed:
+        known = self._by_object.get(id(manifest))
+        if known is not None and known[1] == placement:  # the entry holds the manifest: its id is not reused
+            key, result = known[2], known[3]
+        else:
+            key = _Key((manifest.engine, manifest.pod, manifest.max_num_seqs, manifest.declarations, placement))
+            found = self._used_values.get(key) or self._by_value.get(key)
+            result = place(manifest, placement) if found is None else found
+        self._used_values[key] = result
+        self._used_objects[id(manifest)] = (manifest, placement, key, result)
+        return result
+
+    def declared(self, placed: Sequence[_Placed]) -> Declared:
+        last = self._declared.placed
+        if len(last) != len(placed) or any(a is not b for a, b in zip(last, placed, strict=True)):
+            self._declared = declared(placed)
+        return self._declared
+
+    def end_scrape(self) -> None:
+        self._by_object, self._used_objects = self._used_objects, {}
+        self._by_value, self._used_values = self._used_values, {}
