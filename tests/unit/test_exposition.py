@@ -151,13 +151,13 @@ def test_concurrent_scrapes_share_one_rendering(tmp_path: Path) -> None:
         settings = CollectionSettings(str(tmp_path), (EngineTarget.parse(engine.url),), fetch_timeout_s=3)
         app = ExporterApp(Collection(settings, None))
         rendered: list[str] = []
-        render = app.exposition.render
+        render = app.exposition.chunks
 
-        def counting(metrics: Iterable[Metric], content_type: str) -> bytes | None:
+        def counting(metrics: Iterable[Metric], content_type: str) -> list[bytes] | None:
             rendered.append(content_type)
             return render(metrics, content_type)
 
-        app.exposition.render = counting  # type: ignore[method-assign]
+        app.exposition.chunks = counting  # type: ignore[method-assign]
         start = threading.Barrier(6)
         bodies: list[bytes] = []
 
