@@ -90,8 +90,9 @@ class _Declared:
             "driver=max_num_seqs while the engine cannot be read).",
             DECLARATION_LABELS,
         )
+        held = [v.estimate_bytes for v in views]
         for labels, at in self.groups:
-            estimate.add_metric(labels, sum(views[i].estimate_bytes for i in at))
+            estimate.add_metric(labels, held[at[0]] if len(at) == 1 else sum(held[i] for i in at))
         per_row, ceiling, positions, info = self.unmoving
         return [per_row, ceiling, estimate, positions, info]
 
