@@ -14,7 +14,6 @@ from prometheus_client.registry import Collector
 
 from kv_exporter.sidecar.collection import Collection, KVCollector, SingleFlight
 from kv_exporter.sidecar.exposition import Exposition, Fixed
-from kv_exporter.sidecar.landing import render_landing
 
 # Level 1: a third of level 6's time on a 220 KB page, for a 20% larger body (docs/benchmarks.md, target 1).
 GZIP_LEVEL = 1
@@ -101,6 +100,8 @@ class ExporterApp:
         return b"".join([*map(gzip.compress, chunks), gzip.flush()])
 
     def landing(self) -> bytes:
+        from kv_exporter.sidecar.landing import render_landing  # loaded when a person first asks, not at start-up
+
         return render_landing(self.collection.snapshot(), self.telemetry_path).encode()
 
     def trouble(self) -> str | None:

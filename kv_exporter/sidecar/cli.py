@@ -14,7 +14,7 @@ from kv_exporter.sidecar.app import DEFAULT_TELEMETRY_PATH, ExporterApp
 from kv_exporter.sidecar.buildinfo import build_info
 from kv_exporter.sidecar.collection import DEFAULT_COLLECTION_TIMEOUT_S
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
-from kv_exporter.sidecar.http import DEFAULT_LISTEN_ADDRESS, ExporterServer, parse_listen_address
+from kv_exporter.sidecar.http import DEFAULT_LISTEN_ADDRESS, DEMO_LISTEN_ADDRESS, ExporterServer, parse_listen_address
 from kv_exporter.sidecar.logs import FORMATS, LEVELS, setup_logging
 from kv_exporter.sidecar.stopping import StopRequest
 from kv_exporter.transport.connection import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_REQUESTS, Limits
@@ -212,8 +212,6 @@ def _limits(serve: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kv_exporter.sidecar.demo import DEMO_LISTEN_ADDRESS
-
     parser = argparse.ArgumentParser(prog="kv-exporter", description=__doc__)
     parser.add_argument("--version", action=_Version, help="show the version, revision and Python, and exit")
     commands = parser.add_subparsers(dest="command", required=True)

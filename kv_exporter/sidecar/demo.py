@@ -38,12 +38,11 @@ from kv_exporter.reference import MING_FLASH_OMNI, QWEN3_TTS, REFERENCE_MODELS, 
 from kv_exporter.sidecar.app import DEFAULT_TELEMETRY_PATH, ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
-from kv_exporter.sidecar.http import ExporterServer, build_server, serve_in_thread, server_url
+from kv_exporter.sidecar.http import DEMO_LISTEN_ADDRESS, ExporterServer, build_server, serve_in_thread, server_url
 from kv_exporter.sidecar.report import DEMO_BROKEN_MANIFEST
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine, vllm_page
 
 GIB = 1 << 30
-DEMO_LISTEN_ADDRESS = "127.0.0.1:9477"
 DEMO_GPU_TOTAL = 80 * GIB
 # What vLLM itself holds at gpu_memory_utilization 0.95 (weights, paged KV, graphs), before model-local rows.
 DEMO_GPU_BASE_USED = 76 * GIB

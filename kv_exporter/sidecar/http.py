@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 9477  # 9400 is dcgm-exporter's
 DEFAULT_LISTEN_ADDRESS = f":{DEFAULT_PORT}"
+DEMO_LISTEN_ADDRESS = "127.0.0.1:9477"  # the demo's: loopback only
 # Requests answered at once; workers start as requests need them. Scrapes answered at once share one collection
 # and one rendering: with 8 workers, 50 scrapers made 4x the collections and 30% fewer scrapes a second than with
 # as many workers as scrapers. A worker waiting on a stuck collection is freed at the collection deadline.
