@@ -36,7 +36,8 @@ series, same client and headers; (2) generate_latest on that plain-Gauge registr
 (encoding only: no HTTP, no gzip, no collection). Target: linear growth, read as the exponent k of cost ~ n^k between
 1,000 and 10,000 (1.0 linear, 1.13 for n log n, 2.0 quadratic; allowed <= 1.2), on the sidecar's CPU time per
 scrape (from /proc; wall time is shown too, but on shared cores it carries other work's load); and at 10,000
-the sidecar's whole scrape no slower than (2). --max-series is raised so no manifest is left out at 10,000.
+the sidecar's whole scrape no slower than (2). --max-series and --max-label-bytes are raised so that no manifest
+is left out.
 """
 
 
@@ -54,7 +55,8 @@ class Row:
 def measure(size: int, scrapes: int) -> Row:
     layout = scaling_layout(size)
     with tempfile.TemporaryDirectory() as tmp, children() as kids:
-        running = start_deployment(kids, layout, Path(tmp), ["--max-series", str(20 * size + 1000)])
+        caps = ["--max-series", str(20 * size + 1000), "--max-label-bytes", str(max(8 << 20, 2000 * size))]
+        running = start_deployment(kids, layout, Path(tmp), caps)
         spec = equivalent_spec(text_page(running.port))
         registry = build_registry(spec)
         baseline_pid, baseline_port = start_baseline(kids, spec, Path(tmp))

@@ -5,7 +5,6 @@ the landing page, both from one shared collection.
 from __future__ import annotations
 
 import threading
-import zlib
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
@@ -14,10 +13,10 @@ from prometheus_client.registry import Collector
 
 from kv_exporter.sidecar.collection import Collection, KVCollector, SingleFlight
 from kv_exporter.sidecar.exposition import Exposition, Fixed
+from kv_exporter.sidecar.gzipped import Gzip
 
 # Level 1: a third of level 6's time on a 220 KB page, for a 20% larger body (docs/benchmarks.md, target 1).
 GZIP_LEVEL = 1
-GZIP_WBITS = 16 + zlib.MAX_WBITS  # zlib writes the gzip header and trailer
 DEFAULT_TELEMETRY_PATH = "/metrics"
 _MAX_SHARED_FORMATS = 16  # formats with a shared rendering; others (odd Accept headers) render per request
 
@@ -79,8 +78,10 @@ class ExporterApp:
         """Concurrent scrapes asking for the same format share one collection *and* one rendering: rendering
         per request made 32 concurrent scrapers wait for 32 renderings (docs/benchmarks.md, target 5)."""
 
+        gzip = Gzip(GZIP_LEVEL) if compressed else None  # one per shared rendering, which runs one at a time
+
         def render() -> bytes:
-            return self._render(encoder, content_type, compressed)
+            return self._render(encoder, content_type, gzip)
 
         key = (content_type, compressed)
         with self._pages_lock:
@@ -89,15 +90,12 @@ class ExporterApp:
                 flight = self._pages[key] = SingleFlight(render)  # bounded: it waits on the collection
         return flight or render
 
-    def _render(self, encoder: Encoder, content_type: str, compressed: bool) -> bytes:
+    def _render(self, encoder: Encoder, content_type: str, gzip: Gzip | None) -> bytes:
         metrics = list(self.registry.collect())
         chunks = self.exposition.chunks(metrics, content_type)
         if chunks is None:  # something the fast path does not cover: prometheus_client's own encoder
             chunks = [encoder(Fixed(metrics))]
-        if not compressed:
-            return b"".join(chunks)
-        gzip = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, GZIP_WBITS)  # the page is never joined (`chunks`)
-        return b"".join([*map(gzip.compress, chunks), gzip.flush()])
+        return b"".join(chunks) if gzip is None else gzip.page(chunks)  # a compressed page is never joined
 
     def landing(self) -> bytes:
         from kv_exporter.sidecar.landing import render_landing  # loaded when a person first asks, not at start-up
