@@ -140,6 +140,17 @@ def exported_sum(exporter: Sidecar, metric: str, label: str) -> dict[str, float]
     return sums
 
 
+def test_prometheus_reads_every_spliced_gzip_page(joins: Joins) -> None:
+    """From its second page on, the sidecar's gzip body is spliced from pieces compressed alone
+    (sidecar/gzipped.py): Go's gzip reader in a real Prometheus takes every one, each with every declaration."""
+    declared = sum(1 for name, _ in joins.exporter.samples() if name == "model_local_kv_bytes_per_row")
+    assert declared
+    joins.prometheus.wait_for('count_over_time(up{job="kv-exporter"}[1m]) >= 5', 30, "five scrapes")
+    assert values(joins.prometheus.query('min_over_time(up{job="kv-exporter"}[1m])'))[()] == 1
+    seen = joins.prometheus.query('count_over_time(model_local_kv_bytes_per_row{job="kv-exporter"}[1m]) >= 5')
+    assert len(seen) == declared
+
+
 def test_a_worker_without_pod_information_keeps_the_targets_pod(joins: Joins) -> None:
     """No empty label reaches Prometheus: the pod-less worker's series keep the target's namespace and pod (an
     exported pod="" would delete them under honor_labels), the other worker's keep its own."""
