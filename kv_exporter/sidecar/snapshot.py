@@ -41,10 +41,6 @@ class DeclarationView:
     estimate_rows: int
 
     @property
-    def key(self) -> EngineKey:
-        return self.placed.engine
-
-    @property
     def model_name(self) -> str:
         return self.placed.engine.model_name
 
@@ -61,20 +57,8 @@ class DeclarationView:
         return self.placed.placement.gpu
 
     @property
-    def uuid(self) -> str:
-        return self.placed.placement.uuid
-
-    @property
-    def pod(self) -> PodInfo:
-        return self.placed.pod
-
-    @property
     def declaration(self) -> Declaration:
         return self.placed.declaration
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.placed.max_num_seqs
 
     @property
     def ceiling_rows(self) -> int:
