@@ -193,7 +193,8 @@ def observed_families(observed: Observed) -> list[Metric]:
         OWNER_LABELS,
     )
     for owner in observed.owners:
-        labels: tuple[str, ...] = (*_engine(owner.key), owner.owner, owner.gpu, owner.uuid, *_pod(owner.pod))
+        where = owner.placement
+        labels: tuple[str, ...] = (*_engine(owner.key), owner.owner, where.gpu, where.uuid, *_pod(owner.pod))
         held.add_metric(labels, owner.observed_bytes)
         caches.add_metric(labels, owner.caches)
         unexplained.add_metric(labels, owner.unexplained_bytes)
@@ -225,7 +226,7 @@ def observed_families(observed: Observed) -> list[Metric]:
         ENGINE_GPU_LABELS,
     )
     for cuda in observed.cuda:
-        labels = (*_engine(cuda.key), cuda.gpu, cuda.uuid, *_pod(cuda.pod))
+        labels = (*_engine(cuda.key), cuda.placement.gpu, cuda.placement.uuid, *_pod(cuda.pod))
         allocated.add_metric(labels, cuda.allocated_bytes)
         reserved.add_metric(labels, cuda.reserved_bytes)
     return [held, caches, unexplained, state, age, allocated, reserved]

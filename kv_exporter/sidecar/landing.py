@@ -232,14 +232,14 @@ def _bytes_rows(value: int, rows: int) -> str:
 
 
 def _declaration_row(view: DeclarationView) -> str:
-    d = view.declaration
+    placed, d = view.placed, view.declaration
     return (
-        _with_sub(view.model_name, f"stage {view.stage} · engine {view.engine}", "engine")
+        _with_sub(view.model_name, f"stage {placed.engine.stage} · engine {placed.engine.engine}", "engine")
         + _with_sub(d.name, d.owner, "cache")
         + _with_sub(d.rows.value, d.scope.value, "rows")
-        + _num(view.gpu)
+        + _num(placed.placement.gpu)
         + _bytes(d.bytes_per_row)
-        + _bytes_rows(view.ceiling_bytes, view.ceiling_rows)
+        + _bytes_rows(view.ceiling_bytes, placed.ceiling_rows)
         + _bytes_rows(view.estimate_bytes, view.estimate_rows)
     )
 
@@ -257,7 +257,7 @@ def _owner_row(view: OwnerView) -> str:
     return (
         _with_sub(view.key.model_name, f"stage {view.key.stage} · engine {view.key.engine}", "engine")
         + _cell(view.owner)
-        + _num(view.gpu)
+        + _num(view.placement.gpu)
         + declared
         + _bytes(view.observed_bytes)
         + _bytes(view.unexplained_bytes, _unexplained_css(view))

@@ -79,14 +79,6 @@ class OwnerView:
     max_num_seqs: int
 
     @property
-    def gpu(self) -> str:
-        return self.placement.gpu
-
-    @property
-    def uuid(self) -> str:
-        return self.placement.uuid
-
-    @property
     def unexplained_bytes(self) -> int:
         return max(0, self.observed_bytes - self.ceiling_bytes)
 
@@ -127,14 +119,6 @@ class CudaView:
     pod: PodInfo
     allocated_bytes: int
     reserved_bytes: int
-
-    @property
-    def gpu(self) -> str:
-        return self.placement.gpu
-
-    @property
-    def uuid(self) -> str:
-        return self.placement.uuid
 
 
 @dataclass(frozen=True)
@@ -201,7 +185,7 @@ def _owner_views(
                 max_num_seqs=tally.max_num_seqs,
             )
         )
-    return sorted(views, key=lambda v: (v.key, v.gpu, v.uuid, v.owner))
+    return sorted(views, key=lambda v: (v.key, v.placement.gpu, v.placement.uuid, v.owner))
 
 
 def _engine_observations(manifests: Iterable[Manifest], now: float) -> list[EngineObservation]:

@@ -45,24 +45,8 @@ class DeclarationView:
         return self.placed.engine.model_name
 
     @property
-    def stage(self) -> int:
-        return self.placed.engine.stage
-
-    @property
-    def engine(self) -> int:
-        return self.placed.engine.engine
-
-    @property
-    def gpu(self) -> str:
-        return self.placed.placement.gpu
-
-    @property
     def declaration(self) -> Declaration:
         return self.placed.declaration
-
-    @property
-    def ceiling_rows(self) -> int:
-        return self.placed.ceiling_rows
 
     @property
     def ceiling_bytes(self) -> int:
