@@ -1,8 +1,12 @@
 """Which module a cache belongs to, decided when it is created, by walking the creating thread's frames.
 
-The owner is the innermost declaring owner whose code is on the stack (at any depth: a helper function it calls
-counts), else the innermost module of the model whose code is, else `UNATTRIBUTED_OWNER`. Paths are the
-`named_modules()` paths of the unwrapped model, as the collector records declaration owners.
+The owner is the innermost module of the model whose code is on the stack (a helper function it calls counts as
+its code), else `UNATTRIBUTED_OWNER`. When that module declares nothing but a declaring module further out is on
+the stack, the cache may be the memory that ancestor declares (a declarer whose child builds the cache it
+declares): it is charged to the ancestor only if its first K/V tensor has the geometry of one of the ancestor's
+declarations (layers, KV heads, head size, dtype), else to the module that made it, as undeclared. A declaring ancestor
+can therefore never hide a cache of another shape under its ceiling. Paths are the `named_modules()` paths of the
+unwrapped model, as the collector records declaration owners.
 
 Once the model is known (`ModelMap`) the walk looks each frame's code object up in a dictionary built from the
 methods of the model's module classes, by identity (Python hashes a code object's whole content on every lookup,
@@ -15,14 +19,45 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from types import CodeType, FrameType, FunctionType
-from typing import Any
+from typing import Any, NamedTuple
 
 from kv_exporter.observation import UNATTRIBUTED_OWNER
 from kv_exporter.protocol import _unwrap  # the collector's own unwrapping: the same paths as the declarations
 
 ModuleRef = weakref.ref[Any]
+
+
+class Geometry(NamedTuple):
+    """A declaration's shape, or what a cache shows of its own at its first K/V tensor: layers, KV heads, head
+    size, dtype name (e.g. "float32")."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+class Shape(NamedTuple):
+    """What a cache shows of its shape at its first tensor; `growing`: it appends layers as they are first used
+    (a plain DynamicCache), so `geometry.layers` is only how many it has so far."""
+
+    geometry: Geometry
+    growing: bool
+
+    def fits(self, declared: Geometry) -> bool:
+        shown = self.geometry
+        if shown[1:] != declared[1:]:
+            return False
+        return shown.layers <= declared.layers if self.growing else shown.layers == declared.layers
+
+
+class Attribution(NamedTuple):
+    """The module that made a cache, and the declaring module further out whose declared memory it may be."""
+
+    owner: str
+    candidate: str | None = None
 
 
 class _Site:
@@ -43,13 +78,14 @@ class ModelMap:
     def __init__(
         self,
         model: object,
-        declaring_owner_paths: Collection[str],
+        declared: Mapping[str, Collection[Geometry]],
         module_type: type[Any],
         on_release: Callable[[ModuleRef], None] | None = None,
     ) -> None:
         root = _unwrap(model)
         self.root: ModuleRef = weakref.ref(root, on_release)
-        self.declaring = frozenset(declaring_owner_paths)
+        self.declared = {owner: frozenset(shapes) for owner, shapes in declared.items()}
+        self.declaring = frozenset(declared)
         self._paths: dict[int, str] = {}
         by_class: dict[type, list[str]] = {}
         for path, module in root.named_modules():  # type: ignore[attr-defined]
@@ -57,8 +93,11 @@ class ModelMap:
             by_class.setdefault(type(module), []).append(path)
         self._sites = self._build_sites(by_class, module_type)
 
-    def describes(self, model: object, declaring_owner_paths: Collection[str]) -> bool:
-        return self.root() is _unwrap(model) and self.declaring == frozenset(declaring_owner_paths)
+    def describes(self, model: object, declared: Mapping[str, Collection[Geometry]]) -> bool:
+        return self.root() is _unwrap(model) and self.declared == {o: frozenset(g) for o, g in declared.items()}
+
+    def declares(self, owner: str, shape: Shape) -> bool:
+        return any(shape.fits(declared) for declared in self.declared.get(owner, ()))
 
     def _build_sites(self, by_class: dict[type, list[str]], module_type: type[Any]) -> dict[int, _Site]:
         # By id, here too: two methods with the same name, line and body in different files compare equal.
@@ -77,8 +116,8 @@ class ModelMap:
             for key, paths in paths_by_code.items()
         }
 
-    def owner_at(self, frame: FrameType | None) -> str:
-        """The owner of a cache created by `frame` (the caller of the cache class's `__new__`)."""
+    def owner_at(self, frame: FrameType | None) -> Attribution:
+        """The attribution of a cache created by `frame` (the caller of the cache class's `__new__`)."""
         sites, paths, declaring = self._sites, self._paths, self.declaring
         innermost: str | None = None
         while frame is not None:
@@ -89,16 +128,16 @@ class ModelMap:
                     path = paths.get(id(frame.f_locals.get(site.self_name)))
                 if path is not None:
                     if path in declaring:
-                        return path
+                        return Attribution(path) if innermost is None else Attribution(innermost, path)
                     if innermost is None:
                         innermost = path
                     if path == "":  # the root: no frame further out runs the model's code
                         break
             frame = frame.f_back
-        return UNATTRIBUTED_OWNER if innermost is None else innermost
+        return Attribution(UNATTRIBUTED_OWNER if innermost is None else innermost)
 
-    def resolve(self, modules: Sequence[ModuleRef]) -> str:
-        """The owner of a cache created before the model was known, from the modules on its stack then."""
+    def resolve(self, modules: Sequence[ModuleRef]) -> Attribution:
+        """The attribution of a cache created before the model was known, from the modules on its stack then."""
         innermost: str | None = None
         for ref in modules:
             module = ref()
@@ -106,10 +145,10 @@ class ModelMap:
             if path is None:
                 continue
             if path in self.declaring:
-                return path
+                return Attribution(path) if innermost is None else Attribution(innermost, path)
             if innermost is None:
                 innermost = path
-        return UNATTRIBUTED_OWNER if innermost is None else innermost
+        return Attribution(UNATTRIBUTED_OWNER if innermost is None else innermost)
 
 
 def _method_codes(cls: type, module_type: type[Any]) -> Iterator[CodeType]:
