@@ -64,8 +64,8 @@ class _Observer:
         if reason:
             return self._result(ObservationState.UNAVAILABLE, reason, taken_at, started)
         try:
+            peaks = self.registry.accounts.take_peaks()  # first: reading a cache settles which owner it is
             totals = measure(self.registry.entries(), Pacer(pause))
-            peaks = self.registry.accounts.take_peaks()
         except Exception as exc:
             reason = f"the sample failed: {exc!r}"
             warn_once("observe:failing", "kv-exporter: %s; trying again at the next interval", reason)

@@ -1,40 +1,36 @@
-"""The high-water mark per owner: the storage its live caches hold, counted as it changes, and the most since the
-last sample.
+"""The high-water mark per owner: the storage its live caches hold, and the most they held at any instant since the
+last sample, each storage once, counted lazily.
 
-A cache's storage changes in its own methods: `update` (one layer: the lazy initialisation, the concatenation or
-the in-place write), the methods that rework every layer (`crop`, `reorder_cache`, `reset`, the batch reshapes,
-`offload`, `prefetch`, `early_initialization`), a new `layers` list (construction, `from_legacy_cache`) and a
-copy's contents (`copy.copy` / `copy.deepcopy` call `__setstate__`). The registry wraps those (`CACHE_METHODS`,
-on the cache base class and on every subclass that defines its own) to call `Accounts` after them; the accounts
-then read the K and V tensors of the layers the call touched. Why not every attribute store of every layer (the
-first design): a Python `__setattr__` on the layer classes made each of the stores a layer makes (its device, its
-flags, its lazily made empty tensors) a Python call, and the accounting ran per tensor assigned rather than per
-update: in the engine tests' in-step owner twice this design's cost (docs/benchmarks.md, section 7).
+What a cache holds can only fall in a few places: its release, the methods that rework its layers (`RESHAPING_METHODS`:
+crop, reorder, reset, the batch reshapes, offload, prefetch, early initialisation) and the update of a layer that is
+not a plain growing one (a sliding window drops positions; `GROWING_LAYERS` are the layers whose update only ever
+replaces a storage by a larger one or writes in place). Everywhere else it can only grow. So a growing update only
+marks its cache (`Accounts.dirty`, one set insertion), and the marked caches are read (`catch_up`) just before each
+place where something may fall and at each sample: between two such instants every owner's total only rises, so its
+maximum over the interval is one of the totals read then. The per-step path pays one insertion per cache update,
+and a read of each storage once per fall instead of once per update (docs/benchmarks.md, section 7).
 
-Each storage is kept once, by data pointer (one address space per process: CUDA's unified addressing gives host
-and device memory distinct ones), with a count of the cache slots (a layer's K or V) holding it: it is charged to
-the owner of the first cache to hold it and released when no tracked cache's slot holds it any more (the slot
-given another tensor, or the cache gone: the registry's weak reference calls `forget`). A slot gives up its old
-storage before it takes the new one, as the layer does.
+Each storage is kept once, by data pointer (one address space per process), with a count of the caches holding it,
+charged to the owner of the first cache to hold it. A storage a cache dropped can only be freed after a change of
+that cache, which marks it; a catch-up therefore first gives up what every marked cache dropped and only then takes
+what they hold now, so an address freed by one and reused by another is never taken for the old storage.
 
-What no wrapped method announces (upstream code assigning a layer's `keys` itself, or calling a layer's `update`
-without its cache) is seen by the next wrapped call on that cache or by the sampler's walk: a sample's peak is
-never below its own figure, and only such a change that comes and goes between two samples is missed.
-
-An owner's `current` is what its caches hold now; `peak` the most they held at any instant since `take_peaks`.
+A cache is read through its instance dictionary, which its registry entry keeps: the weak reference's callback runs
+when the cache is already unreachable but before its dictionary is cleared, so a released cache's last contents
+are still read. What no hooked method announces (code assigning a layer's `keys` itself, or calling a layer's
+`update` without its cache) is seen by the next read of that cache or by the sampler's walk.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kv_exporter.plugin.observe.owners import Geometry, Shape
-
-# Cache methods after which any layer's K or V may be another storage (`update`: only the layer it names).
+# A layer's update that can make what its cache holds fall: every layer class but these two (exact types).
+GROWING_LAYERS = ("DynamicLayer", "StaticLayer")
 UPDATE_METHOD = "update"
-CACHE_METHODS = (
-    UPDATE_METHOD,
+RESHAPING_METHODS = (
     "crop",
     "reorder_cache",
     "reset",
@@ -44,7 +40,8 @@ CACHE_METHODS = (
     "prefetch",
     "early_initialization",
 )
-_NO_STORAGE = (AttributeError, TypeError, NotImplementedError, RuntimeError)  # sparse, nested, wrapper, a list
+_NO_STORAGE = (AttributeError, TypeError, NotImplementedError, RuntimeError)  # None, sparse, nested, a wrapper
+_NOTHING: dict[int, int] = {}
 
 
 class Tally:
@@ -57,104 +54,93 @@ class Tally:
         self.peak = 0
 
 
-class _Held:
-    """One storage: its size, how many tracked cache slots hold it, and whose it is."""
-
-    __slots__ = ("nbytes", "refs", "tally")
-
-    def __init__(self, nbytes: int, tally: Tally) -> None:
-        self.nbytes = nbytes
-        self.refs = 1
-        self.tally = tally
-
-
 class Accounts:
     """Per owner: the bytes its caches hold (each storage once over all owners) and the most since `take_peaks`.
 
-    A tracked cache's registry entry carries two fields for this: `slots` (the data pointer each layer's K and V
-    held when last looked at, 0 for none) and `tally` (its owner's, from its first storage on)."""
+    Works on the registry's entries through four fields: `state` (the cache's instance dictionary), `ptrs` (data
+    pointer -> bytes of the storages it held when last read), `tally` (its owner's, from its first storage on) and
+    `cache_id` (its key in `dirty` and `live`)."""
 
-    def __init__(self, owner_of: Callable[[Any, Callable[[], Shape | None]], str]) -> None:
-        self._owner_of = owner_of  # the owner to charge an entry's storage to (deciding it, by geometry, at its first)
+    def __init__(
+        self,
+        live: dict[int, Any],
+        owner_of: Callable[[Any, int], str],
+        known_layers: set[type],
+        layer_seen: Callable[[type], None],
+    ) -> None:
+        self._live = live  # id(cache) -> entry: the registry's
+        self._owner_of = owner_of  # the owner to charge an entry's storage to, given its data pointer
+        self._known_layers = known_layers  # the layer classes whose update is followed
+        self._layer_seen = layer_seen
         self.tallies: dict[str, Tally] = {}
-        self._held: dict[int, _Held] = {}
+        self.dirty: set[int] = set()  # the caches that may hold more than when last read
+        self.lock = threading.RLock()  # the sampler's thread catches up too
+        self._held: dict[int, list[Any]] = {}  # data pointer -> [bytes, caches holding it, tally]
 
-    def updated(self, entry: Any, cache: Any, index: int) -> None:
-        """`cache.update(..., index, ...)` has returned: its layer `index` may hold other storage."""
-        layer = cache.layers[index]
-        slot = index + index
-        slots = entry.slots
-        if len(slots) <= slot:
-            slots.extend([0] * (slot + 2 - len(slots)))
-        look = self._look
-        look(entry, slots, slot, getattr(layer, "keys", None))
-        look(entry, slots, slot + 1, getattr(layer, "values", None))
+    def catch_up(self) -> None:
+        """Read every marked cache: the totals then are at least what they were at any instant since the last read."""
+        if not self.dirty:
+            return
+        with self.lock:
+            self._catch_up()
 
-    def reworked(self, entry: Any, cache: Any) -> None:
-        """Any of `cache`'s layers may hold other storage (a new `layers` list, a copy, crop, reorder, ...)."""
-        layers = cache.__dict__.get("layers")
-        if not isinstance(layers, list):  # a property (read only by the sampler, which says why) or no layers yet
-            return
-        slots = entry.slots
-        count = 2 * len(layers)
-        if len(slots) < count:
-            slots.extend([0] * (count - len(slots)))
-        look = self._look
-        for index, layer in enumerate(layers):
-            look(entry, slots, 2 * index, getattr(layer, "keys", None))
-            look(entry, slots, 2 * index + 1, getattr(layer, "values", None))
-        for pointer in slots[count:]:  # layers gone from the list
-            self._release(pointer)
-        del slots[count:]
+    def _catch_up(self) -> None:
+        dirty = self.dirty
+        keys = list(dirty)
+        dirty.difference_update(keys)  # a cache marked from now on is read again next time
+        live, release, held = self._live, self._release, self._held
+        read: list[tuple[Any, dict[int, int]]] = []
+        for key in keys:  # first what each dropped: its address may hold another's storage now
+            entry = live.get(key)
+            if entry is None:
+                continue
+            now = self._storages(entry.state)
+            for pointer in entry.ptrs:
+                if pointer not in now:
+                    release(pointer)
+            read.append((entry, now))
+        touched: set[Tally] = set()
+        for entry, now in read:
+            before = entry.ptrs
+            for pointer, nbytes in now.items():
+                if pointer in before:
+                    continue
+                share = held.get(pointer)
+                if share is not None:
+                    share[1] += 1
+                    continue
+                tally = entry.tally
+                if tally is None:
+                    tally = entry.tally = self._tally(self._owner_of(entry, pointer))
+                held[pointer] = [nbytes, 1, tally]
+                tally.current += nbytes
+                touched.add(tally)
+            entry.ptrs = now
+        for tally in touched:
+            if tally.current > tally.peak:
+                tally.peak = tally.current
 
-    def forget(self, entry: Any) -> None:
-        """`entry`'s cache is gone: its slots hold nothing now."""
-        slots, entry.slots = entry.slots, []
-        for pointer in slots:
-            self._release(pointer)
-
-    def _look(self, entry: Any, slots: list[int], slot: int, tensor: Any) -> None:
-        """Slot `slot` of `entry` (`slots`: its list) holds `tensor` now."""
-        try:
-            storage = tensor.untyped_storage()
-            nbytes: int = storage.nbytes()
-            pointer: int = storage.data_ptr() if nbytes else 0
-        except _NO_STORAGE:  # None, a tensor without storage, not a tensor: the sampler says which
-            pointer = nbytes = 0
-        old = slots[slot]
-        if pointer == old:
+    def released(self, entry: Any) -> None:
+        """`entry`'s cache is gone (its dictionary still readable): count the instant before, then its storage goes."""
+        if not entry.ptrs and entry.cache_id not in self.dirty:
+            entry.state = None
             return
-        held_by = self._held
-        if old:  # first: the slot no longer holds it
-            gone = held_by.get(old)
-            if gone is not None:
-                gone.refs -= 1
-                if gone.refs <= 0:
-                    del held_by[old]
-                    gone.tally.current -= gone.nbytes
-        slots[slot] = pointer
-        if not pointer:
-            return
-        held = held_by.get(pointer)
-        if held is not None:
-            held.refs += 1
-            return
-        tally = entry.tally
-        if tally is None:
-            tally = entry.tally = self._tally(self._owner_of(entry, lambda: _shape(entry(), tensor)))
-        held_by[pointer] = _Held(nbytes, tally)
-        current = tally.current = tally.current + nbytes
-        if current > tally.peak:
-            tally.peak = current
+        with self.lock:
+            if self.dirty:
+                self._catch_up()
+            release = self._release
+            for pointer in entry.ptrs:
+                release(pointer)
+            entry.ptrs, entry.state = _NOTHING, None
 
     def _release(self, pointer: int) -> None:
-        held = self._held.get(pointer)
-        if held is None:
+        share = self._held.get(pointer)
+        if share is None:
             return
-        held.refs -= 1
-        if held.refs <= 0:
+        share[1] -= 1
+        if share[1] <= 0:
             del self._held[pointer]
-            held.tally.current -= held.nbytes
+            share[2].current -= share[0]
 
     def _tally(self, owner: str) -> Tally:
         tally = self.tallies.get(owner)
@@ -162,32 +148,59 @@ class Accounts:
             tally = self.tallies[owner] = Tally()
         return tally
 
+    def _storages(self, state: dict[str, Any] | None) -> dict[int, int]:
+        """data pointer -> bytes of every storage a cache's layers hold as K or V (nothing for what cannot be read:
+        the sampler's walk says why)."""
+        layers = None if state is None else state.get("layers")
+        if type(layers) is not list:
+            return _NOTHING
+        found: dict[int, int] = {}
+        known = self._known_layers
+        for layer in layers:
+            if type(layer) not in known:
+                self._layer_seen(type(layer))
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                try:
+                    storage = tensor.untyped_storage()  # type: ignore[union-attr]
+                    nbytes: int = storage.nbytes()
+                    if nbytes:
+                        found[storage.data_ptr()] = nbytes
+                except _NO_STORAGE:
+                    pass
+        return found
+
+
     def take_peaks(self) -> dict[str, int]:
         """owner -> the most its caches held since the last call, for the owners that held anything; starts the
         next interval at what they hold now."""
-        peaks = {}
-        for owner, tally in list(self.tallies.items()):
-            if tally.peak:
-                peaks[owner] = tally.peak
-            tally.peak = tally.current
-        return peaks
+        with self.lock:
+            self._catch_up()
+            peaks = {}
+            for owner, tally in list(self.tallies.items()):
+                if tally.peak:
+                    peaks[owner] = tally.peak
+                tally.peak = tally.current
+            return peaks
 
     def rebuild(self, entries: Iterable[Any]) -> None:
         """Count again from the live caches (once their owners are known): what they hold now is the new peak."""
-        self._held.clear()
-        self.tallies.clear()
-        for entry in entries:
-            entry.slots, entry.tally = [], None
-            cache = entry()
-            if cache is not None and hasattr(cache, "__dict__"):
-                self.reworked(entry, cache)
+        with self.lock:
+            self._held.clear()
+            self.tallies.clear()
+            for entry in entries:
+                entry.ptrs, entry.tally = _NOTHING, None
+                self.dirty.add(entry.cache_id)
+            self._catch_up()
 
 
-def _shape(cache: object, tensor: Any) -> Shape | None:
-    """A cache's shape from its layer list and a K or V tensor shaped [batch, heads, positions, head size]."""
-    shape, layers = tensor.shape, getattr(cache, "layers", None)
-    if len(shape) != 4 or not isinstance(layers, list):
-        return None
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    growing = getattr(cache, "layer_class_to_replicate", None) is not None
-    return Shape(Geometry(len(layers), int(shape[1]), int(shape[3]), dtype), growing)
+def first_tensor(state: dict[str, Any] | None, pointer: int) -> Any:
+    """The K or V tensor of a cache whose storage is at `pointer` (None when it is gone)."""
+    for layer in (state or {}).get("layers") or ():
+        tensor: Any
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            try:
+                if tensor.untyped_storage().data_ptr() == pointer:
+                    return tensor
+            except _NO_STORAGE:
+                pass
+    return None

@@ -20,53 +20,63 @@ from typing import Any
 
 from kv_exporter.observation import UNATTRIBUTED_OWNER
 from kv_exporter.plugin.observe.owners import Attribution, Geometry, ModelMap, ModuleRef, Shape, StackModules
-from kv_exporter.plugin.observe.peaks import CACHE_METHODS, UPDATE_METHOD, Accounts, Tally
+from kv_exporter.plugin.observe.peaks import (
+    _NOTHING,
+    GROWING_LAYERS,
+    RESHAPING_METHODS,
+    UPDATE_METHOD,
+    Accounts,
+    Tally,
+    first_tensor,
+)
 from kv_exporter.plugin.oncelog import warn_once
 
 PATCHED_MARK = "__kv_exporter_observe__"
+LAYER_BASE = "CacheLayerMixin"  # the cache module's layer base class (transformers 4.56 and later)
 
 
 class Entry(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to one cache, with its owner (None until the model is known, then `pending` names it)."""
+    """A weak reference to one cache, with its owner (None until the model is known, then `pending` names it) and
+    what the accounts need (peaks.Accounts)."""
 
-    __slots__ = ("cache_id", "candidate", "owner", "pending", "slots", "tally")
+    __slots__ = ("cache_id", "candidate", "owner", "pending", "ptrs", "state", "tally")
 
     cache_id: int
     owner: str | None
-    candidate: str | None  # a declaring ancestor whose declared memory the cache may be, until its first tensor
+    candidate: str | None  # a declaring ancestor whose declared memory the cache may be, until its first storage
     pending: tuple[ModuleRef, ...]  # the modules on the creating stack, for a cache created before `attach`
-    slots: list[int]  # the accounts': the storage each layer's K and V held when last looked at
+    state: dict[str, Any] | None  # the cache's instance dictionary: still readable in the release callback
+    ptrs: dict[int, int]  # the accounts': data pointer -> bytes of what it held when last read
     tally: Tally | None  # the accounts': its owner's, from its first storage on
 
 
 class Registry:
     def __init__(self) -> None:
-        self.live: dict[int, Entry] = {}  # id(entry) -> entry, in creation order
-        self.by_cache: dict[int, Entry] = {}  # id(cache) -> entry
-        self.accounts = Accounts(self._charge)
+        self.live: dict[int, Entry] = {}  # id(cache) -> entry, in creation order
         self.model: ModelMap | None = None
         self.installed_on: type | None = None
         self.unavailable = ""  # why the figures cannot be complete in this process ("" while they can)
         self._stack_modules: StackModules | None = None
-        self._wrapped: set[type] = set()  # cache classes whose own storage methods report to the accounts
+        self._wrapped: set[type] = set()  # cache and layer classes whose methods report to the accounts
+        self._growing: tuple[type, ...] = ()  # the cache module's GROWING_LAYERS
+        self._layer_base: type | None = None
         self._on_release = self._released
+        self.accounts = Accounts(self.live, self._charge, self._wrapped, self.layer_seen)
 
     def _released(self, entry: Entry) -> None:
-        self.live.pop(id(entry), None)
-        if self.by_cache.get(entry.cache_id) is entry:
-            del self.by_cache[entry.cache_id]
-        self.accounts.forget(entry)
+        try:
+            self.accounts.released(entry)
+        except Exception as exc:
+            _peak_failed(exc)
+        if self.live.get(entry.cache_id) is entry:
+            del self.live[entry.cache_id]
 
-    def entry_of(self, cache: object) -> Entry | None:
-        entry = self.by_cache.get(id(cache))
-        return entry if entry is not None and entry() is cache else None
-
-    def _charge(self, entry: Entry, shape_of: Callable[[], Shape | None]) -> str:
-        """The owner a new storage of `entry`'s cache is charged to; its first tensor settles a candidate."""
+    def _charge(self, entry: Entry, pointer: int) -> str:
+        """The owner a new storage of `entry`'s cache is charged to; its first storage settles a candidate."""
         candidate = entry.candidate
         if candidate is not None and entry.owner is not None:
             entry.candidate = None
-            model, shape = self.model, shape_of()
+            model, shape = self.model, _shape(entry.state, first_tensor(entry.state, pointer))
             if shape is not None and model is not None and model.declares(candidate, shape):
                 entry.owner = candidate
         return UNATTRIBUTED_OWNER if entry.owner is None else entry.owner  # as the sampler says before `attach`
@@ -89,9 +99,9 @@ class Registry:
             name = type(cache).__qualname__
             self.mark_unavailable(f"weakref:{name}", f"{name} cannot be weakly referenced, so its caches go uncounted")
             return
-        entry.cache_id = id(cache)
-        entry.candidate = None
-        entry.slots, entry.tally = [], None
+        key = entry.cache_id = id(cache)
+        entry.state = getattr(cache, "__dict__", None)
+        entry.ptrs, entry.tally, entry.candidate = _NOTHING, None, None
         cls = type(cache)
         if cls not in self._wrapped:
             self._wrap(cls)
@@ -102,8 +112,8 @@ class Registry:
         else:
             entry.owner = None
             entry.pending = self._modules_on_stack(frame)
-        self.live[id(entry)] = entry
-        self.by_cache[entry.cache_id] = entry
+        self.live[key] = entry
+        self.accounts.dirty.add(key)  # a copy's contents arrive after its `__new__`, a cache's own in `__init__`
         model = self.model
         if entry.owner is None and model is not None:  # `attach` ran while this cache was being registered
             self._settle(entry, model)
@@ -168,30 +178,48 @@ class Registry:
         else:
             tracker = _Tracker(self)
             cache_base.__new__ = staticmethod(_tracking_new(cache_base, own_new, tracker))  # type: ignore[method-assign]
-        _Contents.registry = self
+        _Contents.accounts = self.accounts
         _Contents.is_compiling = staticmethod(_compiling_test())
         self.installed_on = cache_base
-        _patch_cache_base(cache_base)
-        pending = [cache_base]
-        while pending:  # the classes defined by now; later ones as their first instance is tracked
-            cls = pending.pop()
-            self._wrap(cls)
-            pending.extend(cls.__subclasses__())
+        module = sys.modules.get(cache_base.__module__)
+        growing = (getattr(module, name, None) for name in GROWING_LAYERS)
+        self._growing = tuple(cls for cls in growing if isinstance(cls, type))
+        layer_base = getattr(module, LAYER_BASE, None)
+        self._layer_base = layer_base if isinstance(layer_base, type) else None
+        for base in (cache_base, self._layer_base) if self._layer_base is not None else (cache_base,):
+            pending = [base]
+            while pending:  # the classes defined by now; later cache classes as their first instance is tracked
+                cls = pending.pop()
+                self._wrap(cls)
+                pending.extend(cls.__subclasses__())
         return True
 
     def _wrap(self, cls: type) -> None:
-        """Report `cls`'s own storage methods (and its bases' up to the cache base) to the accounts."""
+        """Report `cls`'s own methods that change what it holds (and its bases') to the accounts: a cache class's
+        update marks it, its reshaping methods and a non-growing layer class's update catch up before they run."""
         cache_base = self.installed_on
         if cache_base is None:
             return
+        is_cache = issubclass(cls, cache_base)
+        base = cache_base if is_cache else self._layer_base
         for klass in cls.__mro__:
-            if klass in self._wrapped or not issubclass(klass, cache_base):
+            if klass in self._wrapped or base is None or not issubclass(klass, base):
                 continue
             self._wrapped.add(klass)
-            for name in CACHE_METHODS:
+            for name in (UPDATE_METHOD, *RESHAPING_METHODS) if is_cache else (UPDATE_METHOD,):
                 method = vars(klass).get(name)
-                if callable(method) and not hasattr(method, PATCHED_MARK):
-                    setattr(klass, name, _reporting(method, name == UPDATE_METHOD))
+                if not callable(method) or hasattr(method, PATCHED_MARK) or klass in self._growing:
+                    continue
+                if is_cache:
+                    hook = _marking(method) if name == UPDATE_METHOD else _falling(method, marks=True)
+                else:
+                    hook = _falling(method, marks=False)
+                setattr(klass, name, hook)
+
+    def layer_seen(self, cls: type) -> None:
+        """A layer class first met in a read (defined after the install): its update is followed from now on."""
+        if cls not in self._wrapped:
+            self._wrap(cls)
 
     def detach(self) -> None:
         """Stop tracking into this registry (tests, benchmarks). The content hooks go; the `__new__` stays: CPython
@@ -201,15 +229,12 @@ class Registry:
         own_new = None if cache_base is None else cache_base.__dict__.get("__new__")
         tracker = getattr(getattr(own_new, "__func__", own_new), PATCHED_MARK, None)
         if isinstance(tracker, _Tracker) and tracker.registry is self:
-            tracker.registry = _Contents.registry = None
+            tracker.registry = _Contents.accounts = None
             for klass in self._wrapped:
                 for name, method in list(vars(klass).items()):
                     original = getattr(method, PATCHED_MARK, None)
-                    if name in CACHE_METHODS and original is not None:
+                    if name in (UPDATE_METHOD, *RESHAPING_METHODS) and original is not None:
                         setattr(klass, name, original)
-            for name, hook in (("__setattr__", _cache_setattr), ("__setstate__", _cache_setstate)):
-                if cache_base is not None and vars(cache_base).get(name) is hook:
-                    delattr(cache_base, name)
         self._wrapped.clear()
 
 
@@ -251,101 +276,61 @@ class _Contents:
     """Where the content hooks report: module state, not closure cells (dynamo wraps a traced function's cells
     when it inlines it, and cannot wrap a registry; a global it never loads while tracing costs nothing)."""
 
-    registry: Registry | None = None  # the installed one; None once detached
+    accounts: Accounts | None = None  # the installed registry's; None once detached
     is_compiling: Callable[[], bool] = staticmethod(lambda: False)
 
 
-def _reporting(method: Callable[..., Any], one_layer: bool) -> Callable[..., Any]:
-    """`method` of a cache class, then the accounts told what its layers hold now (only the layer an update
-    names). The call itself is as before; the report never raises into transformers, and steps aside while dynamo
-    traces (as `__new__` does: what compiled code holds is seen at the next sample)."""
+def _marking(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A cache's `update`, then the cache marked: what it holds may have grown (read at the next fall or sample).
+    Steps aside while dynamo traces (as `__new__` does: what compiled code holds is seen at the next sample)."""
 
     @functools.wraps(method)
-    def reporting(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def marking(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = method(self, *args, **kwargs)
-        registry = None if _Contents.is_compiling() else _Contents.registry
-        if registry is not None:
-            entry = registry.by_cache.get(id(self))
-            if entry is not None and entry() is self:
-                try:
-                    index = args[2] if len(args) > 2 else kwargs.get("layer_idx")
-                    if one_layer and type(index) is int:
-                        registry.accounts.updated(entry, self, index)
-                    else:
-                        registry.accounts.reworked(entry, self)
-                except Exception as exc:
-                    _peak_failed(registry, exc)
+        accounts = _Contents.accounts
+        if accounts is not None and not _Contents.is_compiling():
+            accounts.dirty.add(id(self))
         return result
 
-    setattr(reporting, PATCHED_MARK, method)
-    return reporting
+    setattr(marking, PATCHED_MARK, method)
+    return marking
 
 
-def _patch_cache_base(cache_base: type[Any]) -> None:
-    """A new `layers` list and a copy's contents reported to the accounts, as the wrapped methods are."""
-    if "__setattr__" not in vars(cache_base):
-        setattr(cache_base, "__setattr__", _cache_setattr)  # noqa: B010 (a class attribute, not a type error)
-    if "__setstate__" not in vars(cache_base):
-        setattr(cache_base, "__setstate__", _cache_setstate)  # noqa: B010
+def _falling(method: Callable[..., Any], marks: bool) -> Callable[..., Any]:
+    """A method after which what a cache (or a layer's cache) holds may be less: the marked caches are read first,
+    so the instant before it is counted; a cache's own method then marks it (its new contents are read lazily)."""
 
-
-def _cache_setattr(self: Any, name: str, value: Any) -> None:
-    _store(self, name, value)
-    if name == "layers" and not _Contents.is_compiling():
-        _report_layers(self)
-
-
-def _cache_setstate(self: Any, state: Any) -> None:
-    # What copy and pickle do without a __setstate__: the dict, then any slots.
-    state, slots = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
-    if state:
-        self.__dict__.update(state)
-    for key, value in (slots or {}).items():
-        setattr(self, key, value)
-    if not _Contents.is_compiling():
-        _report_layers(self)
-
-
-def _report_layers(cache: Any) -> None:
-    registry = _Contents.registry
-    entry = None if registry is None else registry.entry_of(cache)
-    if registry is not None and entry is not None:
+    @functools.wraps(method)
+    def falling(self: Any, *args: Any, **kwargs: Any) -> Any:
+        accounts = _Contents.accounts
+        if accounts is None or _Contents.is_compiling():
+            return method(self, *args, **kwargs)
         try:
-            registry.accounts.reworked(entry, cache)
+            accounts.catch_up()
         except Exception as exc:
-            _peak_failed(registry, exc)
+            _peak_failed(exc)
+        result = method(self, *args, **kwargs)
+        if marks:
+            accounts.dirty.add(id(self))
+        return result
+
+    setattr(falling, PATCHED_MARK, method)
+    return falling
 
 
-def _peak_failed(registry: Registry, exc: Exception) -> None:
-    registry.mark_unavailable("peak", f"the high-water mark cannot follow a cache ({exc!r})")
+def _peak_failed(exc: Exception) -> None:
+    warn_once("observe:peak", "kv-exporter: the high-water mark cannot follow a cache (%s)", repr(exc))
 
 
-def _store(obj: Any, name: str, value: Any) -> None:
-    """What `object.__setattr__` does, through the instance dict where no descriptor intervenes: dynamo traces a
-    `__setattr__` that stores that way, and recurses without end into one that calls `object.__setattr__`."""
-    cls = type(obj)
-    guarded = _GUARDED.get(cls)
-    if guarded is None:
-        guarded = _GUARDED[cls] = _guarded_names(cls)
-    if name in guarded:
-        object.__setattr__(obj, name, value)
-        return
-    try:
-        obj.__dict__[name] = value
-    except AttributeError:  # no instance dict (slots only)
-        object.__setattr__(obj, name, value)
-
-
-# class -> the attribute names a store must leave to object.__setattr__ (data descriptors: properties, slots). A plain
-# dict: a lookup on every attribute store of a cache or layer (a WeakKeyDictionary's costs ~0.5 us), and cache
-# classes are few and live as long as the process.
-_GUARDED: dict[type, frozenset[str]] = {}
-
-
-def _guarded_names(cls: type) -> frozenset[str]:
-    return frozenset(
-        name for klass in cls.__mro__ for name, value in vars(klass).items() if hasattr(type(value), "__set__")
-    )
+def _shape(state: dict[str, Any] | None, tensor: Any) -> Shape | None:
+    """A cache's shape from its layer list and a K or V tensor shaped [batch, heads, positions, head size]."""
+    layers = None if state is None else state.get("layers")
+    shape: tuple[int, ...] = tuple(getattr(tensor, "shape", ()))
+    if state is None or len(shape) != 4 or not isinstance(layers, list):
+        return None
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    growing = state.get("layer_class_to_replicate") is not None
+    return Shape(Geometry(len(layers), int(shape[1]), int(shape[3]), dtype), growing)
 
 
 def _compiling_test() -> Callable[[], bool]:
