@@ -1,18 +1,19 @@
 """Which module a cache belongs to, decided when it is created, by walking the creating thread's frames.
 
-The owner is the innermost module of the model whose code is on the stack (a helper function it calls counts as
-its code), else `UNATTRIBUTED_OWNER`. When that module declares nothing but a declaring module further out is on
-the stack, the cache may be the memory that ancestor declares (a declarer whose child builds the cache it
-declares): it is charged to the ancestor only if its first K/V tensor has the geometry of one of the ancestor's
-declarations (layers, KV heads, head size, dtype), else to the module that made it, as undeclared. A declaring ancestor
-can therefore never hide a cache of another shape under its ceiling. Paths are the `named_modules()` paths of the
-unwrapped model, as the collector records declaration owners.
+The owner is the module whose code the first frame of the model's modules on the stack runs (a helper function it
+calls counts as its code), else `UNATTRIBUTED_OWNER`. When that module declares nothing but a module above it in the
+model's tree declares (the nearest one by path), the cache may be the memory that ancestor declares (a declarer whose
+child builds the cache it declares): it is charged to the ancestor only if its first K/V tensor has the geometry of
+one of the ancestor's declarations (layers, KV heads, head size, dtype), else to the module that made it, as
+undeclared. A declaring ancestor can therefore never hide a cache of another shape under its ceiling. Paths are the
+`named_modules()` paths of the unwrapped model, as the collector records declaration owners.
 
 Once the model is known (`ModelMap`) the walk looks each frame's code object up in a dictionary built from the
 methods of the model's module classes, by identity (Python hashes a code object's whole content on every lookup,
-~0.2-0.5 us), and reads a frame's `self` only where several modules share that code and the answer matters; it
-stops at the model's root. Before the model is known (during load), `StackModules` records weak references to the
-modules whose methods are on the stack, and `ModelMap.resolve` names them later.
+~0.2-0.5 us), and stops at the first it finds: each module's attribution is computed once, when the model is
+attached, and a frame's `self` is read only where several modules share that code. Before the model is known
+(during load), `StackModules` records weak references to the modules whose methods are on the stack, and
+`ModelMap.resolve` names them later.
 """
 
 from __future__ import annotations
@@ -63,13 +64,13 @@ class Attribution(NamedTuple):
 class _Site:
     """One code object of the model's module classes."""
 
-    __slots__ = ("code", "path", "self_name", "wanted")
+    __slots__ = ("attribution", "code", "self_name")
 
-    def __init__(self, code: CodeType, path: str | None, wanted: bool) -> None:
+    def __init__(self, code: CodeType, attribution: Attribution | None) -> None:
         self.code = code  # kept alive: the sites are keyed by its id
-        self.path = path  # the one module running this code; None when several share it (told apart by `self`)
+        # Of the one module running this code; None when several share it (told apart by the frame's `self`).
+        self.attribution = attribution
         self.self_name = code.co_varnames[0]  # the name of its first parameter
-        self.wanted = wanted  # worth reading above the innermost module: one of its modules declares or is the root
 
 
 class ModelMap:
@@ -91,6 +92,7 @@ class ModelMap:
         for path, module in root.named_modules():  # type: ignore[attr-defined]
             self._paths[id(module)] = path
             by_class.setdefault(type(module), []).append(path)
+        self._attributions = {path: self._attribution(path) for path in self._paths.values()}
         self._sites = self._build_sites(by_class, module_type)
 
     def describes(self, model: object, declared: Mapping[str, Collection[Geometry]]) -> bool:
@@ -103,52 +105,52 @@ class ModelMap:
         # By id, here too: two methods with the same name, line and body in different files compare equal.
         codes: dict[int, CodeType] = {}
         paths_by_code: dict[int, list[str]] = {}
-        wanted_codes: set[int] = set()
         for cls, paths in by_class.items():
-            wanted = any(path in self.declaring or path == "" for path in paths)
             for code in {id(code): code for code in _method_codes(cls, module_type)}.values():
                 codes[id(code)] = code
                 paths_by_code.setdefault(id(code), []).extend(paths)
-                if wanted:
-                    wanted_codes.add(id(code))
         return {
-            key: _Site(codes[key], paths[0] if len(paths) == 1 else None, key in wanted_codes)
+            key: _Site(codes[key], self._attributions[paths[0]] if len(paths) == 1 else None)
             for key, paths in paths_by_code.items()
         }
 
     def owner_at(self, frame: FrameType | None) -> Attribution:
-        """The attribution of a cache created by `frame` (the caller of the cache class's `__new__`)."""
-        sites, paths, declaring = self._sites, self._paths, self.declaring
-        innermost: str | None = None
+        """The attribution of a cache created by `frame` (the caller of the cache class's `__new__`): the first
+        frame running a module's code names it; stops there."""
+        sites, attributions = self._sites, self._attributions
         while frame is not None:
             site = sites.get(id(frame.f_code))
-            if site is not None and (innermost is None or site.wanted):
-                path = site.path
-                if path is None:
-                    path = paths.get(id(frame.f_locals.get(site.self_name)))
+            if site is not None:
+                if site.attribution is not None:
+                    return site.attribution
+                path = self._paths.get(id(frame.f_locals.get(site.self_name)))
                 if path is not None:
-                    if path in declaring:
-                        return Attribution(path) if innermost is None else Attribution(innermost, path)
-                    if innermost is None:
-                        innermost = path
-                    if path == "":  # the root: no frame further out runs the model's code
-                        break
+                    return attributions[path]
             frame = frame.f_back
-        return Attribution(UNATTRIBUTED_OWNER if innermost is None else innermost)
+        return _UNATTRIBUTED
 
     def resolve(self, modules: Sequence[ModuleRef]) -> Attribution:
         """The attribution of a cache created before the model was known, from the modules on its stack then."""
-        innermost: str | None = None
         for ref in modules:
             module = ref()
             path = None if module is None else self._paths.get(id(module))
-            if path is None:
-                continue
-            if path in self.declaring:
-                return Attribution(path) if innermost is None else Attribution(innermost, path)
-            if innermost is None:
-                innermost = path
-        return Attribution(UNATTRIBUTED_OWNER if innermost is None else innermost)
+            if path is not None:
+                return self._attributions[path]
+        return _UNATTRIBUTED
+
+    def _attribution(self, path: str) -> Attribution:
+        """A module's own path, and the nearest declaring module above it in the tree when it declares nothing."""
+        if path in self.declaring:
+            return Attribution(path)
+        parts = path.split(".") if path else []
+        for depth in range(len(parts) - 1, -1, -1):
+            ancestor = ".".join(parts[:depth])
+            if ancestor in self.declaring:
+                return Attribution(path, ancestor)
+        return Attribution(path)
+
+
+_UNATTRIBUTED = Attribution(UNATTRIBUTED_OWNER)
 
 
 def _method_codes(cls: type, module_type: type[Any]) -> Iterator[CodeType]:

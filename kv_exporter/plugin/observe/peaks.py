@@ -42,6 +42,7 @@ RESHAPING_METHODS = (
 )
 _NO_STORAGE = (AttributeError, TypeError, NotImplementedError, RuntimeError)  # None, sparse, nested, a wrapper
 _NOTHING: dict[int, int] = {}
+_KV = ("keys", "values")
 
 
 class Tally:
@@ -101,7 +102,7 @@ class Accounts:
             read.append((entry, now))
         touched: set[Tally] = set()
         for entry, now in read:
-            before = entry.ptrs
+            before, added = entry.ptrs, 0
             for pointer, nbytes in now.items():
                 if pointer in before:
                     continue
@@ -113,9 +114,12 @@ class Accounts:
                 if tally is None:
                     tally = entry.tally = self._tally(self._owner_of(entry, pointer))
                 held[pointer] = [nbytes, 1, tally]
-                tally.current += nbytes
-                touched.add(tally)
+                added += nbytes
             entry.ptrs = now
+            if added:
+                tally = entry.tally
+                tally.current += added
+                touched.add(tally)
         for tally in touched:
             if tally.current > tally.peak:
                 tally.peak = tally.current
@@ -159,16 +163,15 @@ class Accounts:
         for layer in layers:
             if type(layer) not in known:
                 self._layer_seen(type(layer))
-            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            for name in _KV:
                 try:
-                    storage = tensor.untyped_storage()  # type: ignore[union-attr]
+                    storage = getattr(layer, name).untyped_storage()
                     nbytes: int = storage.nbytes()
                     if nbytes:
                         found[storage.data_ptr()] = nbytes
                 except _NO_STORAGE:
                     pass
         return found
-
 
     def take_peaks(self) -> dict[str, int]:
         """owner -> the most its caches held since the last call, for the owners that held anything; starts the

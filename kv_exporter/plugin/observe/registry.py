@@ -11,6 +11,7 @@ contents arrive through): the per-step cost is one call per cache update.
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import sys
 import weakref
@@ -32,6 +33,8 @@ from kv_exporter.plugin.observe.peaks import (
 from kv_exporter.plugin.oncelog import warn_once
 
 PATCHED_MARK = "__kv_exporter_observe__"
+# What `copy.copy`, `copy.deepcopy` and `pickle` create an instance through (its `__new__`'s caller).
+_COPYING = frozenset(getattr(copyreg, name).__code__ for name in ("__newobj__", "__newobj_ex__"))
 LAYER_BASE = "CacheLayerMixin"  # the cache module's layer base class (transformers 4.56 and later)
 
 
@@ -113,7 +116,8 @@ class Registry:
             entry.owner = None
             entry.pending = self._modules_on_stack(frame)
         self.live[key] = entry
-        self.accounts.dirty.add(key)  # a copy's contents arrive after its `__new__`, a cache's own in `__init__`
+        if frame is not None and frame.f_code in _COPYING:  # its contents arrive after `__new__`, unannounced
+            self.accounts.dirty.add(key)
         model = self.model
         if entry.owner is None and model is not None:  # `attach` ran while this cache was being registered
             self._settle(entry, model)
