@@ -319,3 +319,62 @@ def test_a_tensor_without_storage_costs_only_its_cache() -> None:
     observation = sample()
     assert by_owner(observation)[UNATTRIBUTED_OWNER].bytes == storage_bytes([good])
     assert observation.unreadable == (UnreadableCaches(UNATTRIBUTED_OWNER, UnreadableReason.NO_STORAGE, 1),)
+
+
+# -- what the lazy accounting must not miss -----------------------------------------------------------------------
+
+
+def kv(positions: int, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of `positions` positions in the tiny models' geometry (2 KV heads of 24)."""
+    return torch.randn(batch, 2, positions, 24), torch.randn(batch, 2, positions, 24)
+
+
+def test_a_sliding_window_dropping_positions_keeps_the_peak_before_it() -> None:
+    """A sliding layer's update can free storage (it keeps a view of the last window of a concatenation): the
+    instant before it must be counted although the growth before it was only marked."""
+    cache = DynamicCache(config=sliding_config(window=4))
+    sample()
+    held = []
+    for positions in (10, 1, 1, 1):  # a prefill past the window, then decode steps that cut it back
+        for layer in range(3):
+            cache.update(*kv(positions), layer)
+            held.append(storage_bytes([cache]))
+    found = by_owner(sample())[UNATTRIBUTED_OWNER]
+    assert found.bytes == storage_bytes([cache]) < max(held)
+    assert found.peak_bytes == max(held)
+
+
+def test_a_reshaped_cache_then_growth_elsewhere_gives_the_peak() -> None:
+    """A cache reshaped (batch_select_indices: new, smaller storage) between two growths of another: both the
+    instant before the reshape and the growth after it are exact."""
+    shrinking, growing = DynamicCache(), DynamicCache()
+    sample()
+    held = []
+    for layer in range(3):
+        shrinking.update(*kv(6, batch=4), layer)
+        held.append(storage_bytes([shrinking, growing]))
+    shrinking.batch_select_indices(torch.tensor([0]))
+    held.append(storage_bytes([shrinking, growing]))
+    for step in range(3):
+        for layer in range(3):
+            growing.update(*kv(5 if step == 0 else 1), layer)
+            held.append(storage_bytes([shrinking, growing]))
+    found = by_owner(sample())[UNATTRIBUTED_OWNER]
+    assert found.bytes == storage_bytes([shrinking, growing])
+    assert found.peak_bytes == max(held) == held[2]  # before the reshape: 4 rows of 6 positions
+    assert found.peak_bytes > found.bytes
+
+
+def test_a_copy_filled_after_it_was_made_is_counted() -> None:
+    """copy.deepcopy fills a new cache after its `__new__`, through no method of it: it is read at the next fall."""
+    original = DynamicCache()
+    for layer in range(3):
+        original.update(*kv(7), layer)
+    sample()
+    copied = copy.deepcopy(original)
+    held = storage_bytes([original, copied])
+    del copied  # a fall: the instant before it holds both
+    gc.collect()
+    found = by_owner(sample())[UNATTRIBUTED_OWNER]
+    assert found.bytes == storage_bytes([original])
+    assert found.peak_bytes == held == 2 * found.bytes
