@@ -52,12 +52,14 @@ METHOD = f"""
 Two real vLLM 0.32 CPU servers (default multi-process layout: API server, engine core, worker; --enforce-eager,
 fp32, max_num_seqs {MAX_NUM_SEQS}) serve the same tiny Qwen2 with the engine tests' observed architecture: three
 inner modules make a real DynamicCache per request at admission and drop it when the request finishes, so the
-tracker sees caches created and released throughout. One server samples every --interval seconds (default 1, ten
-times the default rate: the cache class patched, caches tracked, the sampler thread walking them), the other
-has observation off (KV_EXPORTER_OBSERVE_INTERVAL=0: nothing patched, no thread). Both run at once; the idle one
-sleeps (vLLM's workers wait on a socket once idle). Blocks alternate in pairs, on, off, off, on, ...: a block is W
-waves of one completion request of {MAX_NUM_SEQS} prompts, T tokens each (ignore_eos, short prompts), decode-bound
-with {MAX_NUM_SEQS} sequences per step from the first (as {MAX_NUM_SEQS} separate requests from client threads, the
+tracker sees caches created and released throughout, and a fourth makes per-request caches, their concatenation
+and a deep copy inside every step, so every step pays the high-water mark's accounting. One server samples every
+--interval seconds (default 1, ten times the default rate: the cache class patched, caches tracked, the sampler
+thread walking them), the other has observation off (KV_EXPORTER_OBSERVE_INTERVAL=0: nothing patched, no
+thread). Both run at once; the idle one sleeps (vLLM's workers wait on a socket once idle).
+Blocks alternate in pairs, on, off, off, on, ...: a block is W waves of one completion request of
+{MAX_NUM_SEQS} prompts, T tokens each (ignore_eos, short prompts), decode-bound with
+{MAX_NUM_SEQS} sequences per step from the first (as {MAX_NUM_SEQS} separate requests from client threads, the
 requests often reached a server that kept both cores busy one by one, and blocks ran 1 to 8 sequences a step:
 575 to 3,976 tokens/s). Two phases, each with two fresh servers: the first starts "on" first, the second
 "off" first (two servers both "off" differed by ~10% in a trial, the first started being the slower).

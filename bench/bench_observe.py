@@ -1,6 +1,8 @@
-"""What observing the live caches costs a worker: per cache created, per sample, and for other threads' GIL.
+"""What observing the live caches costs a worker: per cache created, per cache update, per sample, and for other
+threads' GIL.
 
-    .venv/bin/python -m bench.bench_observe [--repeats N] [--creations N] [--sizes 10,100,1000] [--json-out FILE]
+    .venv/bin/python -m bench.bench_observe [--repeats N] [--creations N] [--steps N] [--sizes 10,100,1000]
+        [--json-out FILE]
 
 Three parts, in the same run. Creation: `DynamicCache()` made (and dropped) in a loop inside a model's
 forward, tracked against untracked. Sample: the whole sample's wall and CPU time at 10, 100 and 1,000 live
@@ -35,6 +37,7 @@ LAYERS = 28  # Qwen2.5-7B and Qwen3-TTS talker depth: the layer count sets a sam
 WORKER_FRAMES = 25  # frames under the model's forward in a vLLM worker (busy loop, executor, runner, ...)
 TREE_MODULES = 10_000
 CREATION_BUDGET_US = 2.0  # added per cache, created in a declarer's code
+UPDATE_BUDGET_US = 5.0  # added per layer update (two K/V assignments) by the high-water mark
 GIL_BUDGET_MS = 1.0  # longest GIL hold per sample at 1,000 live caches
 
 METHOD = f"""
@@ -51,6 +54,9 @@ its pauses turned into no-ops (only Python's 5 ms switch interval lets the probe
 probe's own wake-up after the sampler lets go, which a loaded machine stretches; "longest slice, inside" is the
 sampler's own longest stretch of work between two pauses (no probe running). Medians over repeats.
 Attach: `observe.attach` on a {TREE_MODULES:,}-module tree (the publisher calls it once per phase).
+Update: a fresh {LAYERS}-layer DynamicCache given S one-position decode steps (`cache.update` per layer, K and V of
+2 heads x 64, fp32): time per layer update with the high-water mark's accounting on against off (its hooks
+removed), interleaved; median over repeats.
 """
 
 
@@ -147,6 +153,38 @@ def creation_costs(report: Report, repeats: int, count: int) -> dict[str, float]
         report.ratio(f"create: {case} (tracked/untracked)", ours.median, base.median)
         added[case] = ours.median - base.median
         report.note(f"create: {case}, added per cache (us)", f"{added[case]:.2f}")
+    return added
+
+
+# -- cache updates (the high-water mark's per-step cost) -------------------------------------------------------
+
+
+def decode_steps(steps: int) -> float:
+    """Seconds per layer update: `steps` one-position decode steps of a fresh LAYERS-layer DynamicCache."""
+    token = torch.zeros(1, 2, 1, 64)
+    cache = DynamicCache()
+    started = time.perf_counter()
+    for _ in range(steps):
+        for layer in range(LAYERS):
+            cache.update(token, token, layer)
+    return (time.perf_counter() - started) / (steps * LAYERS)
+
+
+def update_costs(report: Report, repeats: int, steps: int) -> float:
+    """The time one layer update gains with the peak accounting on (two K/V assignments: release old, take new)."""
+    tracked, bare = [], []
+    for _ in range(repeats):
+        untracked()
+        bare.append(decode_steps(steps) * 1e6)
+        tracking(None)
+        tracked.append(decode_steps(steps) * 1e6)
+    untracked()
+    ours, base = summarize(tracked), summarize(bare)
+    report.stats("update: per layer update, tracked", ours, "us")
+    report.stats("update: per layer update, untracked", base, "us")
+    report.ratio("update (tracked/untracked)", ours.median, base.median)
+    added = ours.median - base.median
+    report.note("update: added per layer update (us)", f"{added:.2f}")
     return added
 
 
@@ -270,6 +308,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--creations", type=int, default=20_000)
     parser.add_argument("--sizes", default="10,100,1000")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps per update run")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     report = Report("Observation: cost per cache created, per sample, and GIL hold", METHOD)
@@ -277,12 +316,18 @@ def main() -> int:
     report.note("python", sys.version.split()[0])
     report.note("switch interval (ms)", sys.getswitchinterval() * 1000)
     added = creation_costs(report, args.repeats, args.creations)
+    update_added = update_costs(report, args.repeats, args.steps)
     longest = sample_costs(report, [int(size) for size in args.sizes.split(",")], args.repeats)
     attach_cost(report, args.repeats)
     report.check(
         f"<= {CREATION_BUDGET_US:g} us added per cache made in a declarer's code",
         f"{added['declarer']:.2f} us",
         added["declarer"] <= CREATION_BUDGET_US,
+    )
+    report.check(
+        f"<= {UPDATE_BUDGET_US:g} us added per layer update",
+        f"{update_added:.2f} us",
+        update_added <= UPDATE_BUDGET_US,
     )
     biggest = max(longest)
     report.check(

@@ -252,17 +252,23 @@ OBSERVED_LEGEND = "{{instance}} {{pod}} · {{model_name}} s{{stage}} e{{engine}}
 def observed_row() -> list[Panel]:
     """What the caches really hold, per owner, beside what the owner declares."""
     held = f"sum by ({OBSERVED_KEY}) ({sel('model_local_kv_observed_bytes', DECLARATION)})"
+    peak = f"sum by ({OBSERVED_KEY}) ({sel('model_local_kv_observed_peak_bytes', DECLARATION)})"
     ceiling = f"sum by ({OBSERVED_KEY}) ({sel('model_local_kv_ceiling_bytes', DECLARATION)})"
     beside = graph(
-        "Observed vs declared ceiling by owner",
-        "What the owner's live transformers caches hold (each storage once), beside its declarations' ceiling at "
-        "max_num_seqs. Observed above the ceiling: the declaration is low (see Unexplained).",
+        "Observed (at the sample, peak) vs declared ceiling by owner",
+        "What the owner's live transformers caches hold at each sample and the most they held between two samples "
+        "(caches a step makes and frees included), each storage once, beside its declarations' ceiling at "
+        "max_num_seqs. A peak above the ceiling: the declaration is low (see Unexplained).",
         "bytes",
-        [query(held, f"observed · {OBSERVED_LEGEND}", "A"), query(ceiling, f"ceiling · {OBSERVED_LEGEND}", "B")],
+        [
+            query(held, f"observed · {OBSERVED_LEGEND}", "A"),
+            query(peak, f"peak · {OBSERVED_LEGEND}", "C"),
+            query(ceiling, f"ceiling · {OBSERVED_LEGEND}", "B"),
+        ],
     ).override_by_regexp("^ceiling.*", DASHED)
     unexplained = graph(
         "Unexplained bytes by owner",
-        "Observed beyond the owner's declared ceiling; everything an undeclared owner holds. The shipped alert "
+        "The observed peak beyond the owner's declared ceiling; all of an undeclared owner's peak. The shipped alert "
         "pages beyond 5 % of the ceiling (docs/alerts.md).",
         "bytes",
         [

@@ -28,6 +28,8 @@ from typing import Any
 __all__ = [
     "CacheBytes",
     "LayerBytes",
+    "NotACache",
+    "NotATensor",
     "SeenStorages",
     "StorageUnavailable",
     "held_bytes",
@@ -41,6 +43,14 @@ _SUB_CACHES = ("self_attention_cache", "cross_attention_cache")
 
 class StorageUnavailable(TypeError):
     """A cache tensor whose storage torch will not show (a sparse or a wrapper tensor): its bytes are unknown."""
+
+
+class NotACache(TypeError):
+    """An object with neither ``.layers`` nor an encoder-decoder cache's two halves."""
+
+
+class NotATensor(TypeError):
+    """A layer whose ``keys`` or ``values`` hold something other than a tensor (or None)."""
 
 
 class SeenStorages:
@@ -162,18 +172,28 @@ def held_bytes(cache: object, seen: SeenStorages) -> int:
 
     With an empty `seen`, ``measure_cache_bytes(cache).allocated_bytes``; with one `seen` shared across caches,
     every storage counted once over all of them. Reads metadata only (no device synchronisation) and formats no
-    paths: the observation sampler's measurement. Raises as `measure_cache_bytes` does.
+    paths: the observation sampler's measurement. Raises as `measure_cache_bytes` does, before adding anything to
+    `seen` (a cache that cannot be read leaves no trace).
     """
+    storages = _storages(cache)
+    return sum(nbytes for device, storage, nbytes in storages if seen.add(device, storage))
+
+
+def _storages(cache: object) -> list[tuple[object, Any, int]]:
+    """(device, storage, bytes) of every non-empty storage behind `cache`'s K and V (repeats included)."""
     import torch
 
     tensor_type = torch.Tensor
-    total = 0
+    found = []
     for _, layers in _walk(cache, ""):
         for layer in layers:
             for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if tensor is not None:
-                    total += _new_storage_bytes(_checked(tensor, tensor_type, "a layer"), seen)
-    return total
+                    storage = _storage(_checked(tensor, tensor_type, "a layer"))
+                    nbytes: int = storage.nbytes()
+                    if nbytes:  # empty storages all report pointer 0 and hold nothing
+                        found.append((tensor.device, storage, nbytes))
+    return found
 
 
 def inner_caches(cache: object) -> tuple[object, ...]:
@@ -191,7 +211,7 @@ def _walk(cache: object, prefix: str) -> Iterator[tuple[str, Sequence[object]]]:
         return
     sub_caches = [(name, getattr(cache, name, None)) for name in _SUB_CACHES]
     if all(sub is None for _, sub in sub_caches):
-        raise TypeError(
+        raise NotACache(
             f"{type(cache).__name__} is not a transformers cache: it has neither .layers nor {' / '.join(_SUB_CACHES)}"
         )
     for name, sub in sub_caches:
@@ -201,7 +221,7 @@ def _walk(cache: object, prefix: str) -> Iterator[tuple[str, Sequence[object]]]:
 
 def _checked(tensor: object, tensor_type: type[Any], where: str) -> Any:
     if not isinstance(tensor, tensor_type):
-        raise TypeError(f"{where}: expected a torch.Tensor or None, got {type(tensor).__name__}")
+        raise NotATensor(f"{where}: expected a torch.Tensor or None, got {type(tensor).__name__}")
     return tensor
 
 
@@ -232,11 +252,15 @@ def _new_storage_bytes(tensor: Any, seen: SeenStorages) -> int:
     Keyed by device and data pointer: views (a sliding window's slice) and layers sharing KV point at the
     same storage. Empty storages all report pointer 0 and hold nothing, so they are skipped rather than keyed.
     """
-    try:
-        storage = tensor.untyped_storage()
-    except (NotImplementedError, RuntimeError) as exc:  # torch's answer for sparse, nested and wrapper tensors
-        raise StorageUnavailable(f"a cache holds a {type(tensor).__name__} without a readable storage ({exc})") from exc
+    storage = _storage(tensor)
     nbytes: int = storage.nbytes()
     if nbytes == 0:
         return 0
     return nbytes if seen.add(tensor.device, storage) else 0
+
+
+def _storage(tensor: Any) -> Any:
+    try:
+        return tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError) as exc:  # torch's answer for sparse, nested and wrapper tensors
+        raise StorageUnavailable(f"a cache holds a {type(tensor).__name__} without a readable storage ({exc})") from exc

@@ -50,8 +50,9 @@ from kv_exporter.printable import printable
 from kv_exporter.procfs import current_pid_namespace, process_start_ticks
 from kv_exporter.protocol import ModelLocalKVScope, RowDriver, kv_row_bytes
 
-# Versions this reader accepts; writers write the newest. 2 added `pod` and `observation`.
-SchemaVersion = Literal[1, 2]
+# Versions this reader accepts; writers write the newest. 2 added `pod` and `observation`; 3 the observation's
+# per-owner `peak_bytes` and its `unreadable` caches.
+SchemaVersion = Literal[1, 2, 3]
 SCHEMA_VERSIONS: tuple[int, ...] = typing.get_args(SchemaVersion)
 SCHEMA_VERSION = SCHEMA_VERSIONS[-1]
 SCHEMA_FOLDER = Path(__file__).with_name("schema")
@@ -262,7 +263,7 @@ class Manifest:
     baseline: Baseline = Baseline()
     written_at: Annotated[float, Range(0), Doc("Unix time, seconds")] = field(default_factory=time.time)
     writer_version: Name = __version__
-    schema_version: Annotated[SchemaVersion, VersionField()] = 2
+    schema_version: Annotated[SchemaVersion, VersionField()] = 3
     pod: Annotated[PodInfo, Since(2)] = PodInfo()
     observation: Annotated[
         Observation | None, Since(2), Doc("what the worker's live caches held at its last sample; null: not observed")
@@ -408,13 +409,13 @@ def _manifest(document: object, limits: ManifestLimits) -> Manifest:
     if raw_observation is None:
         return manifest
     try:
-        return replace(manifest, observation=_observation(raw_observation))
+        return replace(manifest, observation=_observation(raw_observation, version))
     except DocumentError as exc:
         return replace(manifest, observation_problem=ObservationProblem(exc.reason, exc.detail))
 
 
-def _observation(raw: object) -> Observation:
-    observation = decode(Observation, raw, "observation")
+def _observation(raw: object, version: int) -> Observation:
+    observation = decode(Observation, raw, "observation", version=version)
     owners = [owner.owner for owner in observation.owners]
     if len(set(owners)) != len(owners):
         repeated = sorted({owner for owner in owners if owners.count(owner) > 1})

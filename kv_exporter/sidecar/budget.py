@@ -29,10 +29,11 @@ from kv_exporter.sidecar.observed import ObservedState
 from kv_exporter.sidecar.records import ManifestEntry, engine_key
 
 # The per-declaration families (bytes per row, ceiling, estimate, positions, info), the per-owner ones (observed
-# bytes, cache objects, unexplained bytes), and the per-engine ones: running, max_num_seqs, up, manifests, one
+# bytes, peak bytes, cache objects, unexplained bytes; and one per reason its unreadable caches have), and the
+# per-engine ones: running, max_num_seqs, up, manifests, one
 # observation state per state, its age, torch's two figures.
 SERIES_PER_DECLARATION = 5
-SERIES_PER_OWNER = 3
+SERIES_PER_OWNER = 4
 _ENGINE_SERIES = 4 + 1  # the four engine gauges and the observation age: labelled by engine and pod
 _ENGINE_GPU_SERIES = 2  # torch's figures: by engine, GPU and pod
 SERIES_PER_ENGINE = _ENGINE_SERIES + len(ObservedState) + _ENGINE_GPU_SERIES
@@ -114,9 +115,16 @@ def _cost(manifest: Manifest) -> Cost:
         for d in manifest.declarations
     )
     per_owner = sum(SERIES_PER_OWNER * (where + label_size(owner)) for owner in owners)
+    unreadable = manifest.observation.unreadable if manifest.observation else ()
+    per_unreadable = sum(where + label_size(u.owner) + len(u.reason.value) for u in unreadable)
     per_engine = (_ENGINE_SERIES + len(ObservedState)) * engine + _STATE_BYTES + _ENGINE_GPU_SERIES * where
-    series = SERIES_PER_DECLARATION * len(manifest.declarations) + SERIES_PER_OWNER * len(owners) + SERIES_PER_ENGINE
-    return Cost(series, declarations + per_owner + per_engine)
+    series = (
+        SERIES_PER_DECLARATION * len(manifest.declarations)
+        + SERIES_PER_OWNER * len(owners)
+        + len(unreadable)
+        + SERIES_PER_ENGINE
+    )
+    return Cost(series, declarations + per_owner + per_unreadable + per_engine)
 
 
 def page_engine_cost(key: EngineKey) -> Cost:

@@ -186,22 +186,40 @@ def observed_families(observed: Observed) -> list[Metric]:
         "once, summed over the engine's workers on this GPU (0: a declaring owner holding nothing).",
         OWNER_LABELS,
     )
+    peak = GaugeRows(
+        "model_local_kv_observed_peak_bytes",
+        "The most the owner's live transformers caches held at any instant between the engine's last two "
+        "observations (caches a step makes and frees included), each storage counted once, summed over its workers.",
+        OWNER_LABELS,
+    )
     caches = GaugeRows("model_local_kv_observed_caches", "Live cache objects the owner holds.", OWNER_LABELS)
     unexplained = GaugeRows(
         "model_local_kv_unexplained_bytes",
-        "max(0, observed - the owner's declared ceiling at max_num_seqs); all of it for an owner declaring nothing.",
+        "max(0, observed peak - the owner's declared ceiling at max_num_seqs); all of it for an owner declaring "
+        "nothing.",
         OWNER_LABELS,
     )
     for owner in observed.owners:
         where = owner.placement
         labels: tuple[str, ...] = (*_engine(owner.key), owner.owner, where.gpu, where.uuid, *_pod(owner.pod))
         held.add_metric(labels, owner.observed_bytes)
+        peak.add_metric(labels, owner.peak_bytes)
         caches.add_metric(labels, owner.caches)
         unexplained.add_metric(labels, owner.unexplained_bytes)
+    unreadable = GaugeRows(
+        "model_local_kv_observed_unreadable_caches",
+        "Live caches of the owner its workers could not read, by reason (no_layers, layers_raised, not_a_tensor, "
+        "no_storage): left out of its observed figures.",
+        (*OWNER_LABELS, "reason"),
+    )
+    for bad in observed.unreadable:
+        labels = (*_engine(bad.key), bad.owner, bad.gpu, bad.uuid, *_pod(bad.pod), bad.reason)
+        unreadable.add_metric(labels, bad.caches)
     state = GaugeRows(
         "model_local_kv_observation_state",
         "1 for the state of the engine's observation (the worst of its workers'), 0 for the others: ok, off, "
-        "unavailable, failing, stale (the sampler stopped), absent (the manifest has none), rejected (unreadable).",
+        "unavailable, failing, stale (the sampler stopped), absent (the manifest has none), rejected (unreadable, or "
+        "dated ahead of the sidecar's clock).",
         (*ENGINE_LABELS, "state"),
     )
     age = GaugeRows(
@@ -229,7 +247,7 @@ def observed_families(observed: Observed) -> list[Metric]:
         labels = (*_engine(cuda.key), cuda.placement.gpu, cuda.placement.uuid, *_pod(cuda.pod))
         allocated.add_metric(labels, cuda.allocated_bytes)
         reserved.add_metric(labels, cuda.reserved_bytes)
-    return [held, caches, unexplained, state, age, allocated, reserved]
+    return [held, peak, caches, unexplained, unreadable, state, age, allocated, reserved]
 
 
 def exporter_families(snapshot: Snapshot) -> list[Metric]:

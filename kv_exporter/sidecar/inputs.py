@@ -38,7 +38,7 @@ from kv_exporter.sidecar.engine_page import (
     read_engine,
 )
 from kv_exporter.sidecar.liveness import State, Verdict, classify
-from kv_exporter.sidecar.observed import ObservedState, worker_state
+from kv_exporter.sidecar.observed import FUTURE_TIMESTAMP, ObservedState, worker_state
 from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, on_device
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ FOLDER_UNREADABLE = "folder_unreadable"
 MANIFEST_ERROR_REASONS = (*READER_ERROR_REASONS, FOLDER_UNREADABLE)
 # Observations refused by the sidecar rather than by the reader: one from a process that is gone, a sample too old.
 DEAD_PROCESS = "dead_process"
-OBSERVATION_ERROR_REASONS = (*OBSERVATION_PROBLEM_REASONS, DEAD_PROCESS, ObservedState.STALE.value)
+OBSERVATION_ERROR_REASONS = (*OBSERVATION_PROBLEM_REASONS, DEAD_PROCESS, ObservedState.STALE.value, FUTURE_TIMESTAMP)
 
 
 class ManifestStore:
@@ -141,7 +141,10 @@ def _refusal(entry: ManifestEntry, now: float) -> tuple[str, str, float] | None:
         return None
     if not entry.live:
         return entry.path, DEAD_PROCESS, m.written_at
-    if worker_state(m, now) is ObservedState.STALE:
+    state = worker_state(m, now)
+    if state is ObservedState.REJECTED:  # the one way a readable observation is rejected: dated ahead
+        return entry.path, FUTURE_TIMESTAMP, m.observation.taken_at
+    if state is ObservedState.STALE:
         return entry.path, ObservedState.STALE.value, m.observation.taken_at
     return None
 

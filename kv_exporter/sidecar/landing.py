@@ -260,6 +260,7 @@ def _owner_row(view: OwnerView) -> str:
         + _num(view.placement.gpu)
         + declared
         + _bytes(view.observed_bytes)
+        + _bytes(view.peak_bytes)
         + _bytes(view.unexplained_bytes, _unexplained_css(view))
         + _num(view.caches)
     )
@@ -267,18 +268,19 @@ def _owner_row(view: OwnerView) -> str:
 
 def _unexplained_css(view: OwnerView) -> str:
     """As the shipped alerts judge it: red where one fires, amber for an excess within the tolerance."""
-    if exceeds_declaration(view.ceiling_bytes, view.unexplained_bytes) or (view.observed_bytes and not view.declares):
+    if exceeds_declaration(view.ceiling_bytes, view.unexplained_bytes) or (view.peak_bytes and not view.declares):
         return "over"
     return "low" if view.unexplained_bytes else ""
 
 
 def _observed_section(owners: Sequence[OwnerView]) -> str:
-    headers = ("model", "owner", "gpu", "declared ceiling", "observed", "unexplained", "caches")
+    headers = ("model", "owner", "gpu", "declared ceiling", "observed", "peak", "unexplained", "caches")
     if not owners:
         return "<h2>Observed beside declared</h2><p>No observation to show (see each engine's observation state).</p>"
     note = (
         '<p class="note">observed: what the owner\'s live transformers caches hold at the last sample, each storage '
-        "once; unexplained: observed beyond the declared ceiling (all of it where nothing is declared); red where "
+        "once; peak: the most they held at any instant since the sample before (caches a step makes and frees "
+        "included); unexplained: the peak beyond the declared ceiling (all of it where nothing is declared); red where "
         f"an alert fires (beyond {UNEXPLAINED_ALERT_FRACTION:.0%} of the ceiling, shipped default, or undeclared), "
         "amber within that tolerance.</p>"
     )

@@ -5,9 +5,14 @@ the bytes and cache objects its workers' samples report, summed over those worke
 give at max_num_seqs, and the bytes no declaration explains. A declaring owner that holds nothing is there at 0; an
 owner that holds caches without declaring anything is there with all its bytes unexplained.
 
+Two figures per owner: what its caches held at the sample, and the most they held at any instant since the sample
+before (the peak). The unexplained bytes are the peak's: memory a step makes and frees between two samples is still
+memory the GPU must have.
+
 Only a fresh sample counts: a worker's figures are used while its state is `ok`, and never once the sample is older
 than `STALE_AFTER_INTERVALS` intervals (plus a grace for the sample-to-scrape phase): a sampler that stopped cannot
-keep reporting what it last saw.
+keep reporting what it last saw. Nor is a sample dated more than `FUTURE_SKEW_S` ahead of the sidecar's clock (the
+two share a node's clock; a later date is a broken clock or a forged file): it would stay "fresh" for ever.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from kv_exporter.sidecar.records import GpuResult, ManifestEntry, Placement, eng
 
 STALE_AFTER_INTERVALS = 3
 STALE_GRACE_S = 10.0
+FUTURE_SKEW_S = 5.0
+FUTURE_TIMESTAMP = "future_timestamp"  # the refusal's reason
 
 
 class ObservedState(str, Enum):
@@ -35,7 +42,7 @@ class ObservedState(str, Enum):
     FAILING = "failing"
     STALE = "stale"  # the last sample is too old: the sampler stopped
     ABSENT = "absent"  # the manifest has no observation (schema version 1, or a writer that does not observe)
-    REJECTED = "rejected"  # the manifest's observation could not be read (counted by reason)
+    REJECTED = "rejected"  # the manifest's observation could not be read or is dated ahead (counted by reason)
 
 
 # An engine with several workers shows the worst of their states.
@@ -58,6 +65,8 @@ def worker_state(manifest: Manifest, now: float) -> ObservedState:
         return ObservedState.ABSENT
     if observation.state is not ObservationState.OK:
         return ObservedState(observation.state.value)
+    if observation.taken_at > now + FUTURE_SKEW_S:  # its figures would pass for fresh for ever
+        return ObservedState.REJECTED
     if now - observation.taken_at > STALE_AFTER_INTERVALS * observation.interval_s + STALE_GRACE_S:
         return ObservedState.STALE
     return ObservedState.OK
@@ -71,8 +80,9 @@ class OwnerView:
     placement: Placement
     pod: PodInfo
     owner: str
-    observed_bytes: int
+    observed_bytes: int  # at the sample
     caches: int
+    peak_bytes: int  # the most since the sample before (>= observed_bytes)
     ceiling_bytes: int  # its declarations' ceiling at max_num_seqs, over the same workers; 0 if it declares none
     declares: bool
     running: int | None  # the engine's running count, capped at max_num_seqs (None: unreadable)
@@ -80,7 +90,7 @@ class OwnerView:
 
     @property
     def unexplained_bytes(self) -> int:
-        return max(0, self.observed_bytes - self.ceiling_bytes)
+        return max(0, self.peak_bytes - self.ceiling_bytes)
 
     @property
     def unexplained_per_sequence(self) -> int:
@@ -100,6 +110,19 @@ class OwnerView:
         if self.running is None:
             return 0
         return self.unexplained_per_sequence * max(0, self.max_num_seqs - self.running)
+
+
+@dataclass(frozen=True)
+class UnreadableView:
+    """Caches of one owner of one engine on one GPU that its workers could not read, for one reason."""
+
+    key: EngineKey
+    gpu: str
+    uuid: str
+    pod: PodInfo
+    owner: str
+    reason: str
+    caches: int
 
 
 @dataclass(frozen=True)
@@ -126,6 +149,7 @@ class Observed:
     owners: tuple[OwnerView, ...] = ()
     engines: tuple[EngineObservation, ...] = ()
     cuda: tuple[CudaView, ...] = ()
+    unreadable: tuple[UnreadableView, ...] = ()
 
 
 def observe(
@@ -138,6 +162,7 @@ def observe(
         owners=tuple(_owner_views(usable, running, gpu)),
         engines=tuple(_engine_observations(live, now)),
         cuda=tuple(_cuda_views(usable, gpu)),
+        unreadable=tuple(_unreadable_views(usable, gpu)),
     )
 
 
@@ -149,6 +174,7 @@ class _Tally:
     max_num_seqs: int
     held: int = 0
     caches: int = 0
+    peak: int = 0
     ceiling: int = 0
     declares: bool = False
 
@@ -164,6 +190,7 @@ def _owner_views(
             tally = tallies.setdefault((*base, held.owner), _Tally(m.max_num_seqs))
             tally.held += held.bytes
             tally.caches += held.caches
+            tally.peak += held.peak_bytes  # an upper bound of the workers' joint peak: each one's is its own
         for d in m.declarations:
             tally = tallies.setdefault((*base, d.owner), _Tally(m.max_num_seqs))
             tally.ceiling += d.peak_bytes(m.max_num_seqs)
@@ -179,6 +206,7 @@ def _owner_views(
                 owner=owner,
                 observed_bytes=tally.held,
                 caches=tally.caches,
+                peak_bytes=tally.peak,
                 ceiling_bytes=tally.ceiling,
                 declares=tally.declares,
                 running=min(known[0], tally.max_num_seqs) if known else None,
@@ -205,6 +233,21 @@ def _engine_observations(manifests: Iterable[Manifest], now: float) -> list[Engi
             )
         )
     return result
+
+
+def _unreadable_views(manifests: Iterable[Manifest], gpu: GpuResult) -> list[UnreadableView]:
+    counts: dict[tuple[EngineKey, str, str, PodInfo, str, str], int] = {}
+    for m in manifests:
+        assert m.observation is not None  # usable ones have one
+        for bad in m.observation.unreadable:
+            key = (engine_key(m), *_place(m, gpu), m.pod, bad.owner, bad.reason.value)
+            counts[key] = counts.get(key, 0) + bad.caches
+    return [UnreadableView(*key, caches) for key, caches in sorted(counts.items(), key=lambda item: _order(item[0]))]
+
+
+def _order(key: tuple[EngineKey, str, str, PodInfo, str, str]) -> tuple[EngineKey, str, str, str, str]:
+    engine, gpu_label, uuid, _, owner, reason = key
+    return engine, gpu_label, uuid, owner, reason
 
 
 def _cuda_views(manifests: Iterable[Manifest], gpu: GpuResult) -> list[CudaView]:

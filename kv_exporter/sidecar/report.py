@@ -57,7 +57,7 @@ def _title(entry: ManifestEntry, manifest: Manifest, seqs: int) -> str:
 
 
 _HEADERS = ("owner", "cache", "scope", "driver", "rows", "per row", "total")
-_OBSERVED_HEADERS = ("owner", "declared ceiling", "observed", "unexplained", "caches")
+_OBSERVED_HEADERS = ("owner", "declared ceiling", "observed", "peak", "unexplained", "caches")
 
 
 def _table(rows: Sequence[ReportRow]) -> list[str]:
@@ -108,10 +108,10 @@ def _observed_lines(report: ObservedReport, live: bool) -> list[str]:
     head = f"observation: {report.state.value}{age}{why}" + ("" if live else " (not used: the manifest is not live)")
     cells = [
         (o.owner or "(root)", human_bytes(o.ceiling_bytes) if o.declares else "-", human_bytes(o.observed_bytes),
-         human_bytes(o.unexplained_bytes), str(o.caches))
+         human_bytes(o.peak_bytes), human_bytes(o.unexplained_bytes), str(o.caches))
         for o in report.owners
     ]  # fmt: skip
-    return [head, *(_aligned(_OBSERVED_HEADERS, cells, numeric={1, 2, 3, 4}) if cells else [])]
+    return [head, *(_aligned(_OBSERVED_HEADERS, cells, numeric={1, 2, 3, 4, 5}) if cells else [])]
 
 
 # The file `kv-exporter demo` writes on purpose, to show how an invalid manifest is reported (sidecar/demo.py).
@@ -202,6 +202,7 @@ def _observed_json(report: ObservedReport) -> dict[str, Any]:
                 "owner": o.owner,
                 "declared_ceiling_bytes": o.ceiling_bytes if o.declares else None,
                 "observed_bytes": o.observed_bytes,
+                "peak_bytes": o.peak_bytes,
                 "unexplained_bytes": o.unexplained_bytes,
                 "caches": o.caches,
             }

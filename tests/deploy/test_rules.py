@@ -174,7 +174,7 @@ def test_issue_alerts_exist() -> None:
         "model_local_kv_engine_manifests",  # manifests missing for a running engine
         "model_local_kv_manifest_errors_total",  # manifest errors increasing
         "up",  # exporter down
-        "model_local_kv_observed_bytes",  # holds KV declaring nothing; declared rows per sequence, never allocated
+        "model_local_kv_observed_peak_bytes",  # held KV declaring nothing; declared rows per sequence, never allocated
         "model_local_kv_observation_state",  # observation off or failing: never a silent absence
     ):
         assert metric in by_metric, f"no alert reads {metric}"

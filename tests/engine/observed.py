@@ -75,6 +75,7 @@ class OwnerFigures:
     caches: int
     unexplained: int
     ceiling: int  # the sum of the owner's model_local_kv_ceiling_bytes; 0 when it declares nothing
+    peak: int  # model_local_kv_observed_peak_bytes
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,16 @@ class Page:
         observed = self.values("model_local_kv_observed_bytes", "owner")
         caches = self.values("model_local_kv_observed_caches", "owner")
         unexplained = self.values("model_local_kv_unexplained_bytes", "owner")
+        peaks = self.values("model_local_kv_observed_peak_bytes", "owner")
         ceilings: dict[str, int] = {}
         for (name, labels), value in self.samples.items():
             if name == "model_local_kv_ceiling_bytes":
                 owner = dict(labels)["owner"]
                 ceilings[owner] = ceilings.get(owner, 0) + int(value)
         return {
-            owner: OwnerFigures(int(value), int(caches[owner]), int(unexplained[owner]), ceilings.get(owner, 0))
+            owner: OwnerFigures(
+                int(value), int(caches[owner]), int(unexplained[owner]), ceilings.get(owner, 0), int(peaks[owner])
+            )
             for owner, value in observed.items()
         }
 

@@ -30,6 +30,8 @@ Why the comparison is exact under load, whatever the timing:
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import signal
 import time
@@ -91,6 +93,7 @@ class Scenario:
     stopped: Page  # the sampler stopped (worker SIGSTOPped)
     resumed: Page
     log: HeldLog
+    steps: list[tuple[float, float, int]]  # the in-step owner's steps: begin, end, the most its caches held
     completed: int
 
 
@@ -165,13 +168,20 @@ def scenario(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
             idle = poll("every cache released, nothing running", lambda: read_once(running, manifest), is_idle)
             stopped, resumed = sampler_stopped(running, worker)
             log = HeldLog.read(server.report_dir / f"held-{worker}.jsonl")
-            yield Scenario(eager, server, worker, busy, idle, stopped, resumed, log, completed)
+            steps = read_steps(server.report_dir / f"steps-{worker}.jsonl")
+            yield Scenario(eager, server, worker, busy, idle, stopped, resumed, log, steps, completed)
     finally:
         server.stop()
 
 
+def read_steps(path: Path) -> list[tuple[float, float, int]]:
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [(line["begin"], line["end"], line["peak"]) for line in lines]
+
+
 def is_idle(found: Reading) -> bool:
-    return found.page.running() == 0 and all(held == (0, 0) for held in sample_figures(found.observation).values())
+    owners = found.observation.owners
+    return found.page.running() == 0 and all((o.bytes, o.caches, o.peak_bytes) == (0, 0, 0) for o in owners)
 
 
 def sampler_stopped(running: Sidecar, worker: int) -> tuple[Page, Page]:
@@ -223,30 +233,32 @@ def test_the_page_shows_the_sample_it_was_built_from(scenario: Scenario) -> None
     assert len(scenario.busy) >= BUSY_SAMPLES
     for reading in scenario.busy:
         sample = sample_figures(reading.observation)
-        assert UNATTRIBUTED_OWNER not in sample and set(sample) <= set(OWNERS), sample
+        assert UNATTRIBUTED_OWNER not in sample and set(sample) <= {*OWNERS, g.IN_STEP_OWNER}, sample
         assert reading.page.state() == "ok"
         page = reading.page.owners()
         assert set(page) == set(sample) | {g.TRUTHFUL_OWNER, g.UNDER_OWNER, g.NEVER_OWNER}
+        peaks = {o.owner: o.peak_bytes for o in reading.observation.owners}
         for owner, figures in page.items():
             assert (figures.observed, figures.caches) == sample.get(owner, (0, 0)), owner
+            assert figures.peak == peaks.get(owner, 0) >= figures.observed, owner
 
 
 def test_each_owner_is_what_it_declares_and_holds(scenario: Scenario) -> None:
     for reading in [*scenario.busy, scenario.idle]:
         page = reading.page.owners()
+        page.pop(g.IN_STEP_OWNER, None)  # its own test below
         for owner, figures in page.items():
             assert figures.ceiling == ceiling(owner), owner
             positions = g.REQUEST_POSITIONS.get(owner, g.NEVER_POSITIONS)
             assert figures.observed == figures.caches * cache_bytes(positions), owner
             assert figures.caches <= MAX_NUM_SEQS
+            assert figures.peak >= figures.observed and figures.peak % cache_bytes(positions) == 0, owner
         truthful, under, never = page[g.TRUTHFUL_OWNER], page[g.UNDER_OWNER], page[g.NEVER_OWNER]
-        assert truthful.observed <= truthful.ceiling and truthful.unexplained == 0
-        assert under.unexplained == max(0, under.observed - under.ceiling)
-        if under.caches:
-            assert under.unexplained == under.observed - under.ceiling
+        assert truthful.peak <= truthful.ceiling and truthful.unexplained == 0
+        assert under.unexplained == max(0, under.peak - under.ceiling)  # the peak since the sample before
         if g.UNDECLARED_OWNER in page:
-            assert page[g.UNDECLARED_OWNER].unexplained == page[g.UNDECLARED_OWNER].observed
-        assert (never.observed, never.caches, never.unexplained) == (0, 0, 0)
+            assert page[g.UNDECLARED_OWNER].unexplained == page[g.UNDECLARED_OWNER].peak
+        assert (never.observed, never.caches, never.peak, never.unexplained) == (0, 0, 0, 0)
 
 
 def test_the_samples_are_what_the_model_held_to_the_byte(scenario: Scenario) -> None:
@@ -270,6 +282,33 @@ def test_idle_every_holder_released_everything(scenario: Scenario) -> None:
         owner: (0, 0, 0) for owner in (g.TRUTHFUL_OWNER, g.UNDER_OWNER, g.NEVER_OWNER)
     }
     assert scenario.log.changes[-1].owners == {owner: (0, 0) for owner in HOLDERS}
+
+
+def test_a_cache_living_only_inside_steps_is_exported_at_its_peak_to_the_byte(scenario: Scenario) -> None:
+    """Between two consecutive samples the peak is the most the in-step owner held in any step between them: at least
+    the most of the steps that surely ran inside the interval, at most the most of those that may have. Where the
+    two agree (under sustained load, most intervals), the page must show exactly that, and unexplained all of it."""
+    samples = list(distinct_samples(scenario.busy))
+    interval = samples[0].observation.interval_s
+    exact = 0
+    for before, reading in itertools.pairwise(samples):
+        start, now = before.observation, reading.observation
+        if now.taken_at - start.taken_at > 1.5 * interval:  # a sample in between was not read
+            continue
+        window = (start.taken_at + start.duration_s, now.taken_at)
+        surely = [peak for b, e, peak in scenario.steps if window[0] < b and e < window[1]]
+        maybe = [peak for b, e, peak in scenario.steps if e > start.taken_at and b < now.taken_at + now.duration_s]
+        figures = reading.page.owners().get(g.IN_STEP_OWNER)
+        peak = 0 if figures is None else figures.peak
+        assert max(surely, default=0) <= peak <= max(maybe, default=0), (start.taken_at, now.taken_at)
+        if figures is not None:
+            assert figures.unexplained == figures.peak and figures.ceiling == 0
+        if surely and max(surely) == max(maybe):
+            assert peak == max(surely)
+            exact += 1
+    assert exact >= BUSY_SAMPLES // 2, f"only {exact} intervals pinned the peak to the byte"
+    # Against the geometry: a step with n running requests holds at most 3 x n caches' worth, never more.
+    assert max(peak for _, _, peak in scenario.steps) <= 3 * MAX_NUM_SEQS * cache_bytes(g.STEP_POSITIONS)
 
 
 def test_a_stopped_sampler_is_stale_and_shows_no_figures(scenario: Scenario) -> None:
@@ -306,6 +345,7 @@ def test_recorded_pages(scenario: Scenario) -> None:
     }
     under = busiest(scenario).page.owners()
     assert under[g.UNDER_OWNER].caches >= 2 and under[g.UNDECLARED_OWNER].observed > 0
+    assert under[g.IN_STEP_OWNER].peak > 0  # its caches live inside steps: the peak shows them
     RECORDED.mkdir(exist_ok=True)
     for name, text in pages.items():
         path = RECORDED / name

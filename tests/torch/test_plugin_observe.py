@@ -25,11 +25,13 @@ from transformers import (
 from transformers.cache_utils import DynamicLayer
 
 from kv_exporter.cachebytes import SeenStorages, held_bytes, measure_cache_bytes
+from kv_exporter.manifest import Declaration
 from kv_exporter.observation import UNATTRIBUTED_OWNER, ObservationState
 from kv_exporter.plugin import observe
 from tests.support.cache_models import (
     WINDOW,
     build,
+    declare,
     forward,
     full_config,
     prefill_and_decode,
@@ -215,7 +217,9 @@ def test_a_second_attach_with_more_declarers_attributes_new_caches_to_them() -> 
     model = Omni()
     observe.attach(model, declaring_owners(model))
     model.vocoder(new_tokens=1)
-    observe.attach(model, [*declaring_owners(model), "vocoder"])
+    # the vocoder now declares its language model's cache (the geometry its child's cache has)
+    vocoder = Declaration.from_spec("vocoder", declare(model.vocoder.lm.config, torch.float32, 16, "the prompt"))
+    observe.attach(model, [*declaring_owners(model), vocoder])
     model.vocoder(new_tokens=1)
     found = by_owner(sample())
     assert (found["vocoder.lm"].caches, found["vocoder"].caches) == (1, 1)

@@ -98,7 +98,8 @@ def test_report_puts_what_the_caches_hold_beside_what_they_declare(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     owner = QWEN3_TTS.declarations[0][0]
-    held = (OwnerObservation(owner, 3 * 4_718_592, 3), OwnerObservation("vocoder", 524_288, 1))
+    # The vocoder's cache lives inside steps: 0 B at the sample, 512 KiB at its peak.
+    held = (OwnerObservation(owner, 3 * 4_718_592, 3), OwnerObservation("vocoder", 0, 0, 524_288))
     sample = Observation(ObservationState.OK, "", 10.0, time.time() - 2, 0.001, held)
     # This test process wrote it, so the report (in this pid namespace) checks it live in /proc.
     alive = replace(reference_manifest(QWEN3_TTS, max_num_seqs=8), process=ProcessInfo.current(), observation=sample)
@@ -110,18 +111,21 @@ def test_report_puts_what_the_caches_hold_beside_what_they_declare(
         line for line in lines if line.startswith(owner) and "MiB" in line and "codec" not in line[len(owner) :]
     )
     ceiling = (8 + 8 + 31) * 4_653_056
-    assert codec.split()[1:] == [*human_bytes(ceiling).split(), *human_bytes(3 * 4_718_592).split(), "0", "B", "3"]
+    held_now = human_bytes(3 * 4_718_592).split()
+    assert codec.split()[1:] == [*human_bytes(ceiling).split(), *held_now, *held_now, "0", "B", "3"]
     vocoder = next(line for line in lines if line.startswith("vocoder"))
-    assert vocoder.split()[1:] == ["-", "512.00", "KiB", "512.00", "KiB", "1"]  # declares nothing: all unexplained
+    # declares nothing: all of its peak is unexplained
+    assert vocoder.split()[1:] == ["-", "0", "B", "512.00", "KiB", "512.00", "KiB", "0"]
     assert main(["report", "--manifest-dir", str(tmp_path), "--json"]) == 0
     (doc,) = json.loads(capsys.readouterr().out)["manifests"]
     owners = {o["owner"]: o for o in doc["observation"]["owners"]}
     assert owners["vocoder"] == {
         "owner": "vocoder",
         "declared_ceiling_bytes": None,
-        "observed_bytes": 524_288,
+        "observed_bytes": 0,
+        "peak_bytes": 524_288,
         "unexplained_bytes": 524_288,
-        "caches": 1,
+        "caches": 0,
     }
     assert owners[owner]["declared_ceiling_bytes"] == ceiling and doc["observation"]["state"] == "ok"
 

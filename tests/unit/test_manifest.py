@@ -28,7 +28,14 @@ from kv_exporter.manifest import (
     schema_path,
     write_manifest,
 )
-from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation
+from kv_exporter.observation import (
+    CudaMemory,
+    Observation,
+    ObservationState,
+    OwnerObservation,
+    UnreadableCaches,
+    UnreadableReason,
+)
 from kv_exporter.reference import MINICPM_O, QWEN3_TTS
 from tests.support.manifests import reference_manifest
 
@@ -154,7 +161,7 @@ MALFORMED: dict[str, tuple[bytes, str, str]] = {
         "invalid_json",
         "duplicate",
     ),
-    "future schema version": (mutate(set_path("schema_version", 3)), "unsupported_schema_version", "got 3"),
+    "future schema version": (mutate(set_path("schema_version", 4)), "unsupported_schema_version", "got 4"),
     "schema version as string": (mutate(set_path("schema_version", "1")), "wrong_type", "schema_version"),
     "missing engine": (mutate(delete_path("engine")), "missing_field", "engine"),
     "missing declaration field": (mutate(delete_path("declarations.0.rows")), "missing_field", "rows"),
@@ -329,8 +336,12 @@ OBSERVATION = Observation(
     interval_s=10.0,
     taken_at=1_764_480_005.5,
     duration_s=0.0004,
-    owners=(OwnerObservation("talker.code_predictor.codec_decoder", 9_437_184, 2), OwnerObservation("vocoder", 512, 1)),
+    owners=(
+        OwnerObservation("talker.code_predictor.codec_decoder", 9_437_184, 2, 37_748_736),
+        OwnerObservation("vocoder", 512, 1, 512),
+    ),
     cuda=CudaMemory(allocated_bytes=3 << 30, reserved_bytes=4 << 30),
+    unreadable=(UnreadableCaches("vocoder", UnreadableReason.NO_LAYERS, 1),),
 )
 
 
@@ -339,16 +350,44 @@ def observed_manifest() -> Manifest:
     return replace(reference_manifest(QWEN3_TTS), pod=pod, observation=OBSERVATION)
 
 
-def test_a_version_2_manifest_with_pod_and_observation_round_trips(tmp_path: Path) -> None:
+def test_a_version_3_manifest_with_pod_peaks_and_unreadable_caches_round_trips(tmp_path: Path) -> None:
     manifest = observed_manifest()
     document = json.loads(write_manifest(tmp_path, manifest).read_text())
-    assert document["schema_version"] == 2 and document["observation"]["owners"][1] == {
+    assert document["schema_version"] == 3 and document["observation"]["owners"][1] == {
         "owner": "vocoder",
         "bytes": 512,
         "caches": 1,
+        "peak_bytes": 512,
     }
+    assert document["observation"]["unreadable"] == [{"owner": "vocoder", "reason": "no_layers", "caches": 1}]
     jsonschema.validate(document, SCHEMA)
     assert read_manifest(tmp_path / manifest_filename(manifest.engine)) == manifest
+
+
+def version_2_document() -> dict[str, Any]:
+    document = observed_manifest().to_dict()
+    document["schema_version"] = 2
+    del document["observation"]["unreadable"]
+    for owner in document["observation"]["owners"]:
+        del owner["peak_bytes"]
+    return document
+
+
+def test_a_version_2_observation_is_read_with_its_peak_at_the_sample() -> None:
+    document = version_2_document()
+    jsonschema.validate(document, json.loads(schema_path(2).read_text()))
+    manifest = parse_manifest(json.dumps(document).encode(), "v2.json")
+    assert manifest.observation is not None and manifest.observation_problem is None
+    assert [(o.bytes, o.peak_bytes) for o in manifest.observation.owners] == [(9_437_184, 9_437_184), (512, 512)]
+    assert manifest.observation.unreadable == ()
+
+
+def test_a_version_2_observation_may_not_carry_a_peak() -> None:
+    document = version_2_document()
+    document["observation"]["owners"][0]["peak_bytes"] = 1 << 30
+    manifest = parse_manifest(json.dumps(document).encode(), "v2.json")
+    assert manifest.observation is None and manifest.observation_problem is not None
+    assert manifest.observation_problem.reason == "unknown_field"
 
 
 def version_1_document() -> dict[str, Any]:
@@ -377,13 +416,25 @@ def test_a_version_1_manifest_may_not_carry_version_2_fields(field: str) -> None
 
 
 BAD_OBSERVATIONS: dict[str, tuple[Any, str]] = {
+    "a peak below the sample": (
+        {"owners": [{"owner": "a", "bytes": 10, "caches": 1, "peak_bytes": 9}]},
+        "inconsistent",
+    ),
     "not an object": ([1, 2], "wrong_type"),
     "unknown state": ({"state": "great"}, "unknown_enum"),
-    "negative bytes": ({"owners": [{"owner": "a", "bytes": -1, "caches": 1}]}, "out_of_range"),
-    "a petabyte and more": ({"owners": [{"owner": "a", "bytes": (1 << 50) + 1, "caches": 1}]}, "out_of_range"),
-    "bytes as a string": ({"owners": [{"owner": "a", "bytes": "9", "caches": 1}]}, "wrong_type"),
+    "negative bytes": ({"owners": [{"owner": "a", "bytes": -1, "caches": 1, "peak_bytes": 0}]}, "out_of_range"),
+    "a petabyte and more": (
+        {"owners": [{"owner": "a", "bytes": (1 << 50) + 1, "caches": 1, "peak_bytes": 1}]},
+        "out_of_range",
+    ),
+    "bytes as a string": ({"owners": [{"owner": "a", "bytes": "9", "caches": 1, "peak_bytes": 9}]}, "wrong_type"),
     "an owner twice": (
-        {"owners": [{"owner": "a", "bytes": 1, "caches": 1}, {"owner": "a", "bytes": 2, "caches": 1}]},
+        {
+            "owners": [
+                {"owner": "a", "bytes": 1, "caches": 1, "peak_bytes": 1},
+                {"owner": "a", "bytes": 2, "caches": 1, "peak_bytes": 2},
+            ]
+        },
         "duplicate_owner",
     ),
     "NaN-free but infinite interval": ({"interval_s": 1e300}, "out_of_range"),
@@ -403,6 +454,6 @@ def test_a_bad_observation_costs_the_observation_not_the_declarations(case: str)
     assert manifest.observation is None
     assert manifest.observation_problem is not None and manifest.observation_problem.reason == reason
     assert manifest.declarations == observed_manifest().declarations
-    if reason != "duplicate_owner":  # a rule across items, which JSON Schema cannot say
+    if reason not in ("duplicate_owner", "inconsistent"):  # rules across items and fields, which JSON Schema cannot say
         with pytest.raises(jsonschema.ValidationError):  # the schema refuses it too, for other readers
             jsonschema.validate(document, SCHEMA)

@@ -20,11 +20,23 @@ from kv_exporter.manifest import (
     manifest_filename,
     write_manifest,
 )
-from kv_exporter.observation import Observation, ObservationState, OwnerObservation
+from kv_exporter.observation import (
+    Observation,
+    ObservationState,
+    OwnerObservation,
+    UnreadableCaches,
+    UnreadableReason,
+)
 from kv_exporter.protocol import ModelLocalKVScope, ModelLocalKVSpec, RowDriver
 from kv_exporter.sidecar.engine_page import scan_page
 from kv_exporter.sidecar.inputs import ManifestStore, ObservationAccount, assess
-from kv_exporter.sidecar.observed import STALE_AFTER_INTERVALS, STALE_GRACE_S, ObservedState
+from kv_exporter.sidecar.observed import (
+    FUTURE_SKEW_S,
+    FUTURE_TIMESTAMP,
+    STALE_AFTER_INTERVALS,
+    STALE_GRACE_S,
+    ObservedState,
+)
 from kv_exporter.sidecar.records import GpuResult, PageResult
 from kv_exporter.sidecar.snapshot import Snapshot, build_snapshot
 from tests.support.constants import GIB, OTHER_NS
@@ -174,3 +186,45 @@ def test_refused_observations_are_counted_once_each(tmp_path: Path) -> None:
     for _ in range(2):
         account.account(assess(store.load(), OTHER_NS), stale)
     assert +account.errors_total == {"out_of_range": 1, "stale": 1}  # once per sample, not per scrape
+
+
+# -- the peak between samples, unreadable caches, and a sample dated ahead --------------------------------------
+
+
+def test_unexplained_bytes_and_the_projection_use_the_peak_between_samples() -> None:
+    # Between two samples the undeclared owner held 4 caches inside a step; at the sample, none (Qwen3-TTS's eager
+    # decoder). The under-declared owner peaked at 6 rows while holding 5 at the sample.
+    peaks = (
+        OwnerObservation("truthful", 2 * ROW, 2, 2 * ROW),
+        OwnerObservation("under", 5 * ROW, 5, 6 * ROW),
+        OwnerObservation("undeclared", 0, 0, 4 * UNDECLARED),
+    )
+    obs = Observation(ObservationState.OK, "", 10.0, NOW - 1, 0.001, peaks)
+    snap = snapshot([manifest(obs)], [page(5)])
+    found = {o.owner: (o.observed_bytes, o.peak_bytes, o.unexplained_bytes) for o in snap.observed.owners}
+    assert found["under"] == (5 * ROW, 6 * ROW, 5 * ROW)  # max(0, peak - its one-row ceiling)
+    assert found["undeclared"] == (0, 4 * UNDECLARED, 4 * UNDECLARED)  # all of its peak
+    to_come = MAX_NUM_SEQS - 5
+    assert snap.gpus[0].unexplained_growth == (math.ceil(5 * ROW / 5) + math.ceil(4 * UNDECLARED / 5)) * to_come
+
+
+def test_unreadable_caches_are_counted_by_owner_and_reason_beside_the_figures() -> None:
+    bad = (UnreadableCaches("undeclared", UnreadableReason.NO_LAYERS, 2),)
+    obs = dataclasses.replace(observation(running=1), unreadable=bad)
+    snap = snapshot([manifest(obs), manifest(obs, tp_rank=1)], [page(1)])
+    assert [(u.owner, u.reason, u.caches) for u in snap.observed.unreadable] == [("undeclared", "no_layers", 4)]
+    assert owners(snap)["undeclared"][0] == 2 * UNDECLARED  # the readable caches are still reported
+
+
+def test_a_sample_dated_ahead_of_the_clock_is_rejected_and_counted_once(tmp_path: Path) -> None:
+    ahead = observation(running=1, taken_at=NOW + FUTURE_SKEW_S + 1)
+    within = observation(running=1, taken_at=NOW + FUTURE_SKEW_S - 1)
+    assert snapshot([manifest(within)], [page(1)]).observed.engines[0].state is ObservedState.OK
+    snap = snapshot([manifest(ahead)], [page(1)])
+    assert snap.observed.owners == ()
+    assert snap.observed.engines[0].state is ObservedState.REJECTED
+    write_manifest(tmp_path, manifest(ahead))
+    store, account = ManifestStore(str(tmp_path)), ObservationAccount()
+    for _ in range(3):
+        account.account(assess(store.load(), OTHER_NS), NOW)
+    assert +account.errors_total == {FUTURE_TIMESTAMP: 1}

@@ -14,18 +14,19 @@ from __future__ import annotations
 import importlib.util
 import sys
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
-from kv_exporter.cachebytes import StorageUnavailable
-from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation
+from kv_exporter.dtypes import dtype_name
+from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation, UnreadableCaches
+from kv_exporter.plugin.observe.owners import Geometry, ModelMap
 from kv_exporter.plugin.observe.registry import Registry
-from kv_exporter.plugin.observe.sampler import Pacer, Sampler, cuda_memory, measure
+from kv_exporter.plugin.observe.sampler import Pacer, Sampler, Totals, cuda_memory, measure
 from kv_exporter.plugin.oncelog import warn_once
 from kv_exporter.plugin.settings import HookSettings
 
-__all__ = ["CACHE_MODULE", "attach", "observe", "patch_cache_module", "patches", "start", "stop"]
+__all__ = ["CACHE_MODULE", "attach", "declared_geometries", "observe", "patch_cache_module", "patches", "start", "stop"]
 
 CACHE_MODULE = "transformers.cache_utils"
 CACHE_BASE = "Cache"
@@ -63,20 +64,20 @@ class _Observer:
         if reason:
             return self._result(ObservationState.UNAVAILABLE, reason, taken_at, started)
         try:
+            peaks = self.registry.accounts.take_peaks()  # first: reading a cache settles which owner it is
             totals = measure(self.registry.entries(), Pacer(pause))
-        except StorageUnavailable as exc:
-            reason = str(exc)  # only the text: the exception's frames would keep the cache alive
-            warn_once("observe:storage", "kv-exporter: cache observation unavailable: %s", reason)
-            return self._result(ObservationState.UNAVAILABLE, reason, taken_at, started)
         except Exception as exc:
             reason = f"the sample failed: {exc!r}"
             warn_once("observe:failing", "kv-exporter: %s; trying again at the next interval", reason)
             return self._result(ObservationState.FAILING, reason, taken_at, started)
-        model = self.registry.model
-        for owner in model.declaring if model is not None else ():  # a declarer holding nothing shows 0
-            totals.setdefault(owner, (0, 0))
-        owners = tuple(OwnerObservation(owner, held, caches) for owner, (held, caches) in sorted(totals.items()))
-        return self._result(ObservationState.OK, "", taken_at, started, owners)
+        for reason_key, count in totals.unreadable.items():
+            warn_once(
+                f"observe:unreadable:{reason_key[1].value}",
+                "kv-exporter: %d cache(s) of %r cannot be read (%s); left out of its figures",
+                count,
+                *reason_key,
+            )
+        return self._result(ObservationState.OK, "", taken_at, started, owners(totals, peaks, self.registry.model))
 
     def unavailable_reason(self) -> str:
         if self.registry.unavailable:
@@ -92,11 +93,31 @@ class _Observer:
         reason: str,
         taken_at: float,
         started: float,
-        owners: tuple[OwnerObservation, ...] = (),
+        figures: tuple[tuple[OwnerObservation, ...], tuple[UnreadableCaches, ...]] = ((), ()),
     ) -> Observation:
         cuda: CudaMemory | None = cuda_memory(self.device_index)
         duration = time.perf_counter() - started
-        return Observation(state, reason, self.interval(), taken_at, duration, owners, cuda)
+        return Observation(state, reason, self.interval(), taken_at, duration, figures[0], cuda, figures[1])
+
+
+def owners(
+    totals: Totals, peaks: dict[str, int], model: ModelMap | None
+) -> tuple[tuple[OwnerObservation, ...], tuple[UnreadableCaches, ...]]:
+    """Per owner: what it held at the sample and the most since the previous one (never below the sample's figure:
+    the accounts and the walk count the same storages; the walk also sees what no assignment announced).
+
+    A declarer holding nothing shows 0, and so does an owner whose caches came and went since the last sample."""
+    held = dict(totals.held)
+    for owner in (*(model.declaring if model is not None else ()), *peaks):
+        held.setdefault(owner, (0, 0))
+    figures = tuple(
+        OwnerObservation(owner, nbytes, caches, max(nbytes, peaks.get(owner, 0)))
+        for owner, (nbytes, caches) in sorted(held.items())
+    )
+    unreadable = tuple(
+        UnreadableCaches(owner, reason, count) for (owner, reason), count in sorted(totals.unreadable.items())
+    )
+    return figures, unreadable
 
 
 _observer = _Observer()
@@ -121,11 +142,12 @@ def patches(settings: HookSettings) -> dict[str, Callable[[ModuleType], None]]:
     return {CACHE_MODULE: patch_cache_module} if settings.observing else {}
 
 
-def attach(model: object, declaring_owner_paths: Collection[str], device: object = None) -> None:
+def attach(model: object, declarations: Iterable[Any], device: object = None) -> None:
     """Attribute caches to `model`'s modules from now on, and those created before (during load) now.
 
-    `declaring_owner_paths`: the owners of the manifest's declarations. `device`: the worker's torch device
-    (a CUDA one adds the allocator's figures); call this from the worker's own thread. Never raises.
+    `declarations`: the manifest's (owner, layers, kv_heads, head_dim, dtype are read), or owner paths alone (owners
+    whose geometry is unknown: a cache a module below one makes is never charged to it). `device`: the worker's torch
+    device (a CUDA one adds the allocator's figures); call this from the worker's own thread. Never raises.
     """
     if _observer.interval() <= 0:
         return
@@ -133,9 +155,21 @@ def attach(model: object, declaring_owner_paths: Collection[str], device: object
         torch: Any = sys.modules.get("torch")
         module_type = torch.nn.Module if torch is not None else object
         _observer.device_index = _cuda_index(device, torch)
-        _observer.registry.attach(model, declaring_owner_paths, module_type)
+        _observer.registry.attach(model, declared_geometries(declarations), module_type)
     except Exception as exc:
         warn_once("observe:attach", "kv-exporter: cannot attribute caches to the model's modules (%s)", repr(exc))
+
+
+def declared_geometries(declarations: Iterable[Any]) -> dict[str, set[Geometry]]:
+    """Each declaring owner's path -> the geometries its declarations give a cache's K and V tensors."""
+    declared: dict[str, set[Geometry]] = {}
+    for d in declarations:
+        if isinstance(d, str):
+            declared.setdefault(d, set())
+        else:
+            geometry = Geometry(int(d.layers), int(d.kv_heads), int(d.head_dim), dtype_name(d.dtype))
+            declared.setdefault(d.owner, set()).add(geometry)
+    return declared
 
 
 def _cuda_index(device: object, torch: Any) -> int | None:

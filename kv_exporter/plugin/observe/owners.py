@@ -1,23 +1,28 @@
 """Which module a cache belongs to, decided when it is created, by walking the creating thread's frames.
 
-The owner is the innermost declaring owner whose code is on the stack (at any depth: a helper function it calls
-counts), else the innermost module of the model whose code is, else `UNATTRIBUTED_OWNER`. Paths are the
+The owner is the module whose code the first frame of the model's modules on the stack runs (a helper function it
+calls counts as its code), else `UNATTRIBUTED_OWNER`. When that module declares nothing but a module above it in the
+model's tree declares (the nearest one by path), the cache may be the memory that ancestor declares (a declarer whose
+child builds the cache it declares): it is charged to the ancestor only if its first K/V tensor has the geometry of
+one of the ancestor's declarations (layers, KV heads, head size, dtype), else to the module that made it, as
+undeclared. A declaring ancestor can therefore never hide a cache of another shape under its ceiling. Paths are the
 `named_modules()` paths of the unwrapped model, as the collector records declaration owners.
 
 Once the model is known (`ModelMap`) the walk looks each frame's code object up in a dictionary built from the
 methods of the model's module classes, by identity (Python hashes a code object's whole content on every lookup,
-~0.2-0.5 us), and reads a frame's `self` only where several modules share that code and the answer matters; it
-stops at the model's root. Before the model is known (during load), `StackModules` records weak references to the
-modules whose methods are on the stack, and `ModelMap.resolve` names them later.
+~0.2-0.5 us), and stops at the first it finds: each module's attribution is computed once, when the model is
+attached, and a frame's `self` is read only where several modules share that code. Before the model is known
+(during load), `StackModules` records weak references to the modules whose methods are on the stack, and
+`ModelMap.resolve` names them later.
 """
 
 from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from types import CodeType, FrameType, FunctionType
-from typing import Any
+from typing import Any, NamedTuple
 
 from kv_exporter.observation import UNATTRIBUTED_OWNER
 from kv_exporter.protocol import _unwrap  # the collector's own unwrapping: the same paths as the declarations
@@ -25,16 +30,47 @@ from kv_exporter.protocol import _unwrap  # the collector's own unwrapping: the 
 ModuleRef = weakref.ref[Any]
 
 
+class Geometry(NamedTuple):
+    """A declaration's shape, or what a cache shows of its own at its first K/V tensor: layers, KV heads, head
+    size, dtype name (e.g. "float32")."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+class Shape(NamedTuple):
+    """What a cache shows of its shape at its first tensor; `growing`: it appends layers as they are first used
+    (a plain DynamicCache), so `geometry.layers` is only how many it has so far."""
+
+    geometry: Geometry
+    growing: bool
+
+    def fits(self, declared: Geometry) -> bool:
+        shown = self.geometry
+        if shown[1:] != declared[1:]:
+            return False
+        return shown.layers <= declared.layers if self.growing else shown.layers == declared.layers
+
+
+class Attribution(NamedTuple):
+    """The module that made a cache, and the declaring module further out whose declared memory it may be."""
+
+    owner: str
+    candidate: str | None = None
+
+
 class _Site:
     """One code object of the model's module classes."""
 
-    __slots__ = ("code", "path", "self_name", "wanted")
+    __slots__ = ("attribution", "code", "self_name")
 
-    def __init__(self, code: CodeType, path: str | None, wanted: bool) -> None:
+    def __init__(self, code: CodeType, attribution: Attribution | None) -> None:
         self.code = code  # kept alive: the sites are keyed by its id
-        self.path = path  # the one module running this code; None when several share it (told apart by `self`)
+        # Of the one module running this code; None when several share it (told apart by the frame's `self`).
+        self.attribution = attribution
         self.self_name = code.co_varnames[0]  # the name of its first parameter
-        self.wanted = wanted  # worth reading above the innermost module: one of its modules declares or is the root
 
 
 class ModelMap:
@@ -43,73 +79,78 @@ class ModelMap:
     def __init__(
         self,
         model: object,
-        declaring_owner_paths: Collection[str],
+        declared: Mapping[str, Collection[Geometry]],
         module_type: type[Any],
         on_release: Callable[[ModuleRef], None] | None = None,
     ) -> None:
         root = _unwrap(model)
         self.root: ModuleRef = weakref.ref(root, on_release)
-        self.declaring = frozenset(declaring_owner_paths)
+        self.declared = {owner: frozenset(shapes) for owner, shapes in declared.items()}
+        self.declaring = frozenset(declared)
         self._paths: dict[int, str] = {}
         by_class: dict[type, list[str]] = {}
         for path, module in root.named_modules():  # type: ignore[attr-defined]
             self._paths[id(module)] = path
             by_class.setdefault(type(module), []).append(path)
+        self._attributions = {path: self._attribution(path) for path in self._paths.values()}
         self._sites = self._build_sites(by_class, module_type)
 
-    def describes(self, model: object, declaring_owner_paths: Collection[str]) -> bool:
-        return self.root() is _unwrap(model) and self.declaring == frozenset(declaring_owner_paths)
+    def describes(self, model: object, declared: Mapping[str, Collection[Geometry]]) -> bool:
+        return self.root() is _unwrap(model) and self.declared == {o: frozenset(g) for o, g in declared.items()}
+
+    def declares(self, owner: str, shape: Shape) -> bool:
+        return any(shape.fits(declared) for declared in self.declared.get(owner, ()))
 
     def _build_sites(self, by_class: dict[type, list[str]], module_type: type[Any]) -> dict[int, _Site]:
         # By id, here too: two methods with the same name, line and body in different files compare equal.
         codes: dict[int, CodeType] = {}
         paths_by_code: dict[int, list[str]] = {}
-        wanted_codes: set[int] = set()
         for cls, paths in by_class.items():
-            wanted = any(path in self.declaring or path == "" for path in paths)
             for code in {id(code): code for code in _method_codes(cls, module_type)}.values():
                 codes[id(code)] = code
                 paths_by_code.setdefault(id(code), []).extend(paths)
-                if wanted:
-                    wanted_codes.add(id(code))
         return {
-            key: _Site(codes[key], paths[0] if len(paths) == 1 else None, key in wanted_codes)
+            key: _Site(codes[key], self._attributions[paths[0]] if len(paths) == 1 else None)
             for key, paths in paths_by_code.items()
         }
 
-    def owner_at(self, frame: FrameType | None) -> str:
-        """The owner of a cache created by `frame` (the caller of the cache class's `__new__`)."""
-        sites, paths, declaring = self._sites, self._paths, self.declaring
-        innermost: str | None = None
+    def owner_at(self, frame: FrameType | None) -> Attribution:
+        """The attribution of a cache created by `frame` (the caller of the cache class's `__new__`): the first
+        frame running a module's code names it; stops there."""
+        sites, attributions = self._sites, self._attributions
         while frame is not None:
             site = sites.get(id(frame.f_code))
-            if site is not None and (innermost is None or site.wanted):
-                path = site.path
-                if path is None:
-                    path = paths.get(id(frame.f_locals.get(site.self_name)))
+            if site is not None:
+                if site.attribution is not None:
+                    return site.attribution
+                path = self._paths.get(id(frame.f_locals.get(site.self_name)))
                 if path is not None:
-                    if path in declaring:
-                        return path
-                    if innermost is None:
-                        innermost = path
-                    if path == "":  # the root: no frame further out runs the model's code
-                        break
+                    return attributions[path]
             frame = frame.f_back
-        return UNATTRIBUTED_OWNER if innermost is None else innermost
+        return _UNATTRIBUTED
 
-    def resolve(self, modules: Sequence[ModuleRef]) -> str:
-        """The owner of a cache created before the model was known, from the modules on its stack then."""
-        innermost: str | None = None
+    def resolve(self, modules: Sequence[ModuleRef]) -> Attribution:
+        """The attribution of a cache created before the model was known, from the modules on its stack then."""
         for ref in modules:
             module = ref()
             path = None if module is None else self._paths.get(id(module))
-            if path is None:
-                continue
-            if path in self.declaring:
-                return path
-            if innermost is None:
-                innermost = path
-        return UNATTRIBUTED_OWNER if innermost is None else innermost
+            if path is not None:
+                return self._attributions[path]
+        return _UNATTRIBUTED
+
+    def _attribution(self, path: str) -> Attribution:
+        """A module's own path, and the nearest declaring module above it in the tree when it declares nothing."""
+        if path in self.declaring:
+            return Attribution(path)
+        parts = path.split(".") if path else []
+        for depth in range(len(parts) - 1, -1, -1):
+            ancestor = ".".join(parts[:depth])
+            if ancestor in self.declaring:
+                return Attribution(path, ancestor)
+        return Attribution(path)
+
+
+_UNATTRIBUTED = Attribution(UNATTRIBUTED_OWNER)
 
 
 def _method_codes(cls: type, module_type: type[Any]) -> Iterator[CodeType]:

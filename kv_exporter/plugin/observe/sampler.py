@@ -14,11 +14,13 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from kv_exporter.cachebytes import SeenStorages, held_bytes, inner_caches
-from kv_exporter.observation import UNATTRIBUTED_OWNER, CudaMemory, Observation
+from kv_exporter.cachebytes import NotACache, NotATensor, SeenStorages, StorageUnavailable, held_bytes, inner_caches
+from kv_exporter.observation import UNATTRIBUTED_OWNER, CudaMemory, Observation, UnreadableReason
 from kv_exporter.plugin.observe.registry import Entry
 from kv_exporter.plugin.oncelog import warn_once
 
@@ -44,42 +46,63 @@ class Pacer:
             self._since = time.perf_counter()
 
 
-def measure(entries: Sequence[Entry], pace: Callable[[], None]) -> dict[str, tuple[int, int]]:
-    """owner -> (storage bytes, cache objects) over the live `entries`, each storage counted once over all.
+@dataclass
+class Totals:
+    """One sample's figures: owner -> (storage bytes, cache objects), and (owner, reason) -> caches left out."""
+
+    held: dict[str, tuple[int, int]] = field(default_factory=dict)
+    unreadable: Counter[tuple[str, UnreadableReason]] = field(default_factory=Counter)
+
+
+def measure(entries: Sequence[Entry], pace: Callable[[], None]) -> Totals:
+    """The figures over the live `entries`, each storage counted once over all.
 
     An EncoderDecoderCache counts as one cache holding both halves; its halves are not counted again on their own.
+    A cache that cannot be read costs only itself: it is left out of its owner's figures and counted by reason (a
+    storage it shares with a readable cache is still counted there).
     """
     halves: set[int] = set()
     for entry in entries:
         halves.update(_halves(entry))
         pace()
     seen = SeenStorages()
-    totals: dict[str, tuple[int, int]] = {}
+    totals = Totals()
     for entry in entries:
-        counted = _held(entry, halves, seen)
-        if counted is not None:
-            owner, nbytes = counted
-            held, caches = totals.get(owner, (0, 0))
-            totals[owner] = (held + nbytes, caches + 1)
+        cache = entry()
+        if cache is not None and id(cache) not in halves:
+            owner = UNATTRIBUTED_OWNER if entry.owner is None else entry.owner
+            nbytes, reason = _held(cache, seen)
+            if reason is None:
+                held, caches = totals.held.get(owner, (0, 0))
+                totals.held[owner] = (held + nbytes, caches + 1)
+            else:
+                totals.unreadable[owner, reason] += 1
+        del cache  # held only while it is read: a reference kept across a pause would delay a release
         pace()
     seen.clear(pace)  # freeing 56,000 keys (1,000 caches of 28 layers) at once would take ~1.5 ms
     return totals
 
 
-# Each of these holds the cache only while it runs: a strong reference kept across a pause would delay a release.
-
-
 def _halves(entry: Entry) -> list[int]:
     cache = entry()
-    return [] if cache is None else [id(half) for half in inner_caches(cache)]
+    try:
+        return [] if cache is None else [id(half) for half in inner_caches(cache)]
+    except Exception:  # its layers cannot be read: `_held` says why
+        return []
 
 
-def _held(entry: Entry, halves: set[int], seen: SeenStorages) -> tuple[str, int] | None:
-    cache = entry()
-    if cache is None or id(cache) in halves:
-        return None
-    owner = UNATTRIBUTED_OWNER if entry.owner is None else entry.owner
-    return owner, held_bytes(cache, seen)
+def _held(cache: object, seen: SeenStorages) -> tuple[int, UnreadableReason | None]:
+    """The cache's bytes not in `seen` yet, or why it cannot be read (then nothing of it is added to `seen`)."""
+    try:
+        return held_bytes(cache, seen), None
+    except StorageUnavailable:
+        return 0, UnreadableReason.NO_STORAGE
+    except NotACache:
+        return 0, UnreadableReason.NO_LAYERS
+    except NotATensor:
+        return 0, UnreadableReason.NOT_A_TENSOR
+    except Exception:
+        return 0, UnreadableReason.LAYERS_RAISED
 
 
 def cuda_memory(device_index: int | None) -> CudaMemory | None:

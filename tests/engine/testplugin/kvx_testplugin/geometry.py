@@ -39,3 +39,8 @@ NEVER_OWNER = f"{OBSERVED_PARENT}.never"  # declares max_num_seqs rows, never al
 REQUEST_POSITIONS = {TRUTHFUL_OWNER: 16, UNDER_OWNER: 12, UNDECLARED_OWNER: 8}
 NEVER_POSITIONS = 20
 OBSERVED_ITEMSIZE = 4
+# Declares nothing and holds nothing between steps: inside each step, one DynamicCache of STEP_POSITIONS per running
+# request, their batched concatenation and a deep copy of it, all freed when the step returns (Qwen3-TTS's eager
+# async-chunk decoder). Its peak in a step with n running requests: 3 x n caches' worth.
+IN_STEP_OWNER = f"{OBSERVED_PARENT}.in_step"
+STEP_POSITIONS = 6

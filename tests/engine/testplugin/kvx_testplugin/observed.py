@@ -6,7 +6,10 @@ the requests, so that what kv-exporter observes can be held against what the mod
 - `truthful` declares max_num_seqs rows of its per-request cache and holds one per running request;
 - `under` declares one FIXED row and holds one per running request (the design notes' failure);
 - `undeclared` declares nothing and holds one per running request;
-- `never` declares max_num_seqs rows and never allocates (the "invented gigabyte").
+- `never` declares max_num_seqs rows and never allocates (the "invented gigabyte");
+- `in_step` declares nothing and holds caches only inside each step (per-request caches filled by a real forward of
+  a tiny transformers Qwen2, their concatenation, a deep copy), so only the high-water mark between samples can
+  show them.
 
 `KvxRequestsCPUModelRunner` (worker.py) tells `kvx_observed`, before each step, which requests the step schedules
 and which have finished. The step's forward gives each holder one `DynamicCache` per newly running request, made in
@@ -17,11 +20,14 @@ The record: with KVX_TEST_REPORT_DIR set, every change of what the holders hold 
 `<dir>/held-<pid>.jsonl` as `{"begin": t0, "end": t1, "owners": {path: {"bytes": B, "caches": N}}}`, t0 taken before
 the first cache object of the change is made or dropped and t1 after the last, both `time.time()` (the clock of the
 sampler's `taken_at`), B from `measure_cache_bytes` of every cache the owner holds after the change. The first line
-(at construction) holds nothing.
+(at construction) holds nothing. Each step of `in_step` that makes caches is appended to `<dir>/steps-<pid>.jsonl`
+as `{"begin": t0, "end": t1, "peak": B}`: B the most its caches held after any of the step's operations, summed
+from `measure_cache_bytes` (no storage is shared between them: the concatenation and the copy are new storage).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -42,6 +48,7 @@ from kvx_testplugin.geometry import (
     SIDE_HEAD_DIM,
     SIDE_KV_HEADS,
     SIDE_LAYERS,
+    STEP_POSITIONS,
     TRUTHFUL_OWNER,
     UNDECLARED_OWNER,
     UNDER_OWNER,
@@ -118,6 +125,65 @@ class NeverAllocating(nn.Module):
         return [request_spec(NEVER_POSITIONS, RowDriver.MAX_NUM_SEQS, allocation_note=note)]
 
 
+def concatenated(caches: Sequence[Any]) -> Any:
+    """One batched cache from per-request ones (new storage: torch.cat), as a batching decoder builds it."""
+    from transformers import DynamicCache
+
+    batched = DynamicCache()
+    for layer in range(SIDE_LAYERS):
+        keys = torch.cat([cache.layers[layer].keys for cache in caches])
+        values = torch.cat([cache.layers[layer].values for cache in caches])
+        batched.update(keys, values, layer)
+    return batched
+
+
+class InStep(nn.Module):
+    """Declares nothing; every cache it makes is freed when its forward returns. Each per-request cache is filled by
+    a real forward of a 2-layer transformers Qwen2 (the side geometry), as Qwen3-TTS's decoder fills its own:
+    the work a cache update sits in, not a bare copy, so the decode benchmark weighs the tracking against it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import Qwen2Model
+
+        torch.manual_seed(0)
+        lm = Qwen2Model(side_config(torch.float32)).to(torch.float32).eval()
+        self.__dict__["_lm"] = lm  # outside the module tree: vLLM's loader wants every parameter in the checkpoint
+        self._prompt = torch.arange(STEP_POSITIONS).unsqueeze(0) % lm.config.vocab_size
+        folder = os.environ.get(ENV_REPORT_DIR)
+        self._path = Path(folder, f"steps-{os.getpid()}.jsonl") if folder else None
+
+    def request_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        with torch.no_grad():
+            self._lm(input_ids=self._prompt, past_key_values=cache, use_cache=True)
+        return cache
+
+    def forward(self, running: int) -> None:
+        if not running:
+            return
+        begin, peak = time.time(), 0
+        caches: list[Any] = []
+        recording = self._path is not None  # the model's own count only for the test's record, not in benchmarks
+
+        def made(cache: Any) -> None:
+            nonlocal peak
+            caches.append(cache)
+            if recording:
+                peak = max(peak, sum(measure_cache_bytes(held).allocated_bytes for held in caches))
+
+        for _ in range(running):
+            made(self.request_cache())
+        made(concatenated(caches))
+        made(copy.deepcopy(caches[-1]))
+        caches.clear()
+        if self._path is not None:
+            with self._path.open("a", encoding="utf-8") as record:
+                record.write(json.dumps({"begin": begin, "end": time.time(), "peak": peak}) + "\n")
+
+
 class HeldRecord:
     """Appends each change of what the holders hold to `<report dir>/held-<pid>.jsonl` (nothing without the dir)."""
 
@@ -153,6 +219,7 @@ class ObservedOwners(nn.Module):
         self.under = UnderDeclaringHolder(REQUEST_POSITIONS[UNDER_OWNER])
         self.undeclared = UndeclaredHolder(REQUEST_POSITIONS[UNDECLARED_OWNER])
         self.never = NeverAllocating()
+        self.in_step = InStep()
         holders = {TRUTHFUL_OWNER: self.truthful, UNDER_OWNER: self.under, UNDECLARED_OWNER: self.undeclared}
         self._holders = tuple(holders.values())
         self._record = HeldRecord(holders)
@@ -173,6 +240,7 @@ class ObservedOwners(nn.Module):
             with self._record.change():
                 for holder in self._holders:
                     holder(admit)
+        self.in_step(len(self.truthful.caches))
 
 
 class KvxObservedForCausalLM(Qwen2ForCausalLM):

@@ -79,7 +79,8 @@ class KvxRequestsCPUWorker(cpu_worker.CPUWorker):
 
     def kvx_observation(self, state: str) -> str:
         """ "paused": the sampler stopped and new caches untracked, as near observation off as a process that has
-        patched the cache class gets (its `__new__` stays, tracking nowhere). "running": both back, publishing
+        patched the cache class gets (its `__new__` stays, tracking nowhere; the peak's content hooks come off).
+        "running": both back, publishing
         to the hook's own callback again. Returns the state now."""
         observer = observe._observer  # the hook's per-process observer: reached into by this test worker only
         if state == "paused" and observer.sampler is not None and observer.sampler.running:
