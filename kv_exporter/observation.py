@@ -95,3 +95,8 @@ class Observation:
     owners: tuple[OwnerObservation, ...] = ()
     cuda: CudaMemory | None = None  # only on a CUDA device
     unreadable: Annotated[tuple[UnreadableCaches, ...], Since(3)] = ()
+    peaks_followed: Annotated[
+        bool,
+        Since(3),
+        Doc("whether the owners' peak_bytes were followed between samples (KV_EXPORTER_OBSERVE_PEAK); else bytes"),
+    ] = False

@@ -16,6 +16,7 @@ ENV_DISABLE = "KV_EXPORTER_DISABLE"
 ENV_DIR = "KV_EXPORTER_DIR"
 ENV_COLLECTOR = "KV_EXPORTER_COLLECTOR"
 ENV_OBSERVE_INTERVAL = "KV_EXPORTER_OBSERVE_INTERVAL"
+ENV_OBSERVE_PEAK = "KV_EXPORTER_OBSERVE_PEAK"
 
 # Seconds between two observations of the live caches; 0 turns observation off (nothing is patched).
 DEFAULT_OBSERVE_INTERVAL_S = 10.0
@@ -37,6 +38,9 @@ class HookSettings:
     explicit_directory: bool  # KV_EXPORTER_DIR was set: no fallback
     collector: str  # "auto": vllm-omni's when available, else ours; or one of COLLECTORS
     observe_interval_s: float = DEFAULT_OBSERVE_INTERVAL_S  # 0: observation off
+    # Follow each owner's high-water mark between samples: a cost on every step (docs/benchmarks.md, section 9),
+    # so off unless asked for; off, the peak is the figure at the sample.
+    observe_peak: bool = False
 
     @property
     def observing(self) -> bool:
@@ -57,6 +61,7 @@ class HookSettings:
             explicit_directory=bool(folder),
             collector=collector if collector in COLLECTOR_CHOICES else COLLECTOR_AUTO,
             observe_interval_s=observe_interval(env.get(ENV_OBSERVE_INTERVAL)),
+            observe_peak=env.get(ENV_OBSERVE_PEAK, "").strip().lower() in _TRUE,
         )
 
 

@@ -189,21 +189,23 @@ def observed_families(observed: Observed) -> list[Metric]:
     peak = GaugeRows(
         "model_local_kv_observed_peak_bytes",
         "The most the owner's live transformers caches held at any instant between the engine's last two "
-        "observations (caches a step makes and frees included), each storage counted once, summed over its workers.",
+        "observations (caches a step makes and frees included), each storage counted once, summed over its workers; "
+        "only where the workers follow it (KV_EXPORTER_OBSERVE_PEAK=1).",
         OWNER_LABELS,
     )
     caches = GaugeRows("model_local_kv_observed_caches", "Live cache objects the owner holds.", OWNER_LABELS)
     unexplained = GaugeRows(
         "model_local_kv_unexplained_bytes",
-        "max(0, observed peak - the owner's declared ceiling at max_num_seqs); all of it for an owner declaring "
-        "nothing.",
+        "max(0, observed peak - the owner's declared ceiling at max_num_seqs), the observed figure at the sample "
+        "where the peak is not followed; all of it for an owner declaring nothing.",
         OWNER_LABELS,
     )
     for owner in observed.owners:
         where = owner.placement
         labels: tuple[str, ...] = (*_engine(owner.key), owner.owner, where.gpu, where.uuid, *_pod(owner.pod))
         held.add_metric(labels, owner.observed_bytes)
-        peak.add_metric(labels, owner.peak_bytes)
+        if owner.peak_followed:  # else the sample's figure, already above: no peak is claimed
+            peak.add_metric(labels, owner.peak_bytes)
         caches.add_metric(labels, owner.caches)
         unexplained.add_metric(labels, owner.unexplained_bytes)
     unreadable = GaugeRows(
@@ -213,7 +215,7 @@ def observed_families(observed: Observed) -> list[Metric]:
         (*OWNER_LABELS, "reason"),
     )
     for bad in observed.unreadable:
-        labels = (*_engine(bad.key), bad.owner, bad.gpu, bad.uuid, *_pod(bad.pod), bad.reason)
+        labels = (*_engine(bad.key), bad.owner, bad.placement.gpu, bad.placement.uuid, *_pod(bad.pod), bad.reason)
         unreadable.add_metric(labels, bad.caches)
     state = GaugeRows(
         "model_local_kv_observation_state",

@@ -260,7 +260,7 @@ def _owner_row(view: OwnerView) -> str:
         + _num(view.placement.gpu)
         + declared
         + _bytes(view.observed_bytes)
-        + _bytes(view.peak_bytes)
+        + (_bytes(view.peak_bytes) if view.peak_followed else '<td class="num">not followed</td>')
         + _bytes(view.unexplained_bytes, _unexplained_css(view))
         + _num(view.caches)
     )
@@ -280,7 +280,9 @@ def _observed_section(owners: Sequence[OwnerView]) -> str:
     note = (
         '<p class="note">observed: what the owner\'s live transformers caches hold at the last sample, each storage '
         "once; peak: the most they held at any instant since the sample before (caches a step makes and frees "
-        "included); unexplained: the peak beyond the declared ceiling (all of it where nothing is declared); red where "
+        "included; not followed unless the workers run with KV_EXPORTER_OBSERVE_PEAK=1); unexplained: the peak "
+        "(the observed figure where it is not followed) beyond the declared ceiling (all of it where nothing is "
+        "declared); red where "
         f"an alert fires (beyond {UNEXPLAINED_ALERT_FRACTION:.0%} of the ceiling, shipped default, or undeclared), "
         "amber within that tolerance.</p>"
     )

@@ -82,7 +82,8 @@ class OwnerView:
     owner: str
     observed_bytes: int  # at the sample
     caches: int
-    peak_bytes: int  # the most since the sample before (>= observed_bytes)
+    peak_bytes: int  # the most since the sample before (>= observed_bytes); the sample's figure where not followed
+    peak_followed: bool  # every worker followed the high-water mark between samples (KV_EXPORTER_OBSERVE_PEAK)
     ceiling_bytes: int  # its declarations' ceiling at max_num_seqs, over the same workers; 0 if it declares none
     declares: bool
     running: int | None  # the engine's running count, capped at max_num_seqs (None: unreadable)
@@ -117,8 +118,7 @@ class UnreadableView:
     """Caches of one owner of one engine on one GPU that its workers could not read, for one reason."""
 
     key: EngineKey
-    gpu: str
-    uuid: str
+    placement: Placement
     pod: PodInfo
     owner: str
     reason: str
@@ -175,6 +175,7 @@ class _Tally:
     held: int = 0
     caches: int = 0
     peak: int = 0
+    peak_followed: bool = True
     ceiling: int = 0
     declares: bool = False
 
@@ -186,11 +187,13 @@ def _owner_views(
     for m in manifests:
         base = (engine_key(m), placement(m, gpu), m.pod)
         assert m.observation is not None  # usable ones have one
+        followed = m.observation.peaks_followed
         for held in m.observation.owners:
             tally = tallies.setdefault((*base, held.owner), _Tally(m.max_num_seqs))
             tally.held += held.bytes
             tally.caches += held.caches
             tally.peak += held.peak_bytes  # an upper bound of the workers' joint peak: each one's is its own
+            tally.peak_followed = tally.peak_followed and followed
         for d in m.declarations:
             tally = tallies.setdefault((*base, d.owner), _Tally(m.max_num_seqs))
             tally.ceiling += d.peak_bytes(m.max_num_seqs)
@@ -207,6 +210,7 @@ def _owner_views(
                 observed_bytes=tally.held,
                 caches=tally.caches,
                 peak_bytes=tally.peak,
+                peak_followed=tally.peak_followed,
                 ceiling_bytes=tally.ceiling,
                 declares=tally.declares,
                 running=min(known[0], tally.max_num_seqs) if known else None,
@@ -236,18 +240,14 @@ def _engine_observations(manifests: Iterable[Manifest], now: float) -> list[Engi
 
 
 def _unreadable_views(manifests: Iterable[Manifest], gpu: GpuResult) -> list[UnreadableView]:
-    counts: dict[tuple[EngineKey, str, str, PodInfo, str, str], int] = {}
+    counts: dict[tuple[EngineKey, Placement, PodInfo, str, str], int] = {}
     for m in manifests:
         assert m.observation is not None  # usable ones have one
         for bad in m.observation.unreadable:
-            key = (engine_key(m), *_place(m, gpu), m.pod, bad.owner, bad.reason.value)
+            key = (engine_key(m), placement(m, gpu), m.pod, bad.owner, bad.reason.value)
             counts[key] = counts.get(key, 0) + bad.caches
-    return [UnreadableView(*key, caches) for key, caches in sorted(counts.items(), key=lambda item: _order(item[0]))]
-
-
-def _order(key: tuple[EngineKey, str, str, PodInfo, str, str]) -> tuple[EngineKey, str, str, str, str]:
-    engine, gpu_label, uuid, _, owner, reason = key
-    return engine, gpu_label, uuid, owner, reason
+    ordered = sorted(counts.items(), key=lambda item: (item[0][0], item[0][1].gpu, item[0][1].uuid, *item[0][3:]))
+    return [UnreadableView(*key, caches) for key, caches in ordered]
 
 
 def _cuda_views(manifests: Iterable[Manifest], gpu: GpuResult) -> list[CudaView]:

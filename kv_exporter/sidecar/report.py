@@ -108,7 +108,8 @@ def _observed_lines(report: ObservedReport, live: bool) -> list[str]:
     head = f"observation: {report.state.value}{age}{why}" + ("" if live else " (not used: the manifest is not live)")
     cells = [
         (o.owner or "(root)", human_bytes(o.ceiling_bytes) if o.declares else "-", human_bytes(o.observed_bytes),
-         human_bytes(o.peak_bytes), human_bytes(o.unexplained_bytes), str(o.caches))
+         human_bytes(o.peak_bytes) if o.peak_followed else "not followed", human_bytes(o.unexplained_bytes),
+         str(o.caches))
         for o in report.owners
     ]  # fmt: skip
     return [head, *(_aligned(_OBSERVED_HEADERS, cells, numeric={1, 2, 3, 4, 5}) if cells else [])]
@@ -202,7 +203,7 @@ def _observed_json(report: ObservedReport) -> dict[str, Any]:
                 "owner": o.owner,
                 "declared_ceiling_bytes": o.ceiling_bytes if o.declares else None,
                 "observed_bytes": o.observed_bytes,
-                "peak_bytes": o.peak_bytes,
+                "peak_bytes": o.peak_bytes if o.peak_followed else None,
                 "unexplained_bytes": o.unexplained_bytes,
                 "caches": o.caches,
             }

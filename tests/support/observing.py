@@ -29,27 +29,39 @@ from tests.support.cache_models import build, declare, forward, full_config, pro
 OBSERVE_LOGGER = "vllm.kv_exporter"
 
 
-def settings(interval_s: float) -> HookSettings:
+def settings(interval_s: float, peak: bool = True) -> HookSettings:
     return HookSettings(
         disabled=False,
         directory=Path("/nonexistent"),
         explicit_directory=True,
         collector="auto",
         observe_interval_s=interval_s,
+        observe_peak=peak,
     )
 
 
-@pytest.fixture
-def observer() -> Iterator[None]:
+def _observing(peak: bool) -> Iterator[None]:
     observe.reset_for_tests()
     reset_for_tests()
     gc.collect()  # caches of earlier tests that only a cycle still holds
-    install_post_import(observe.patches(settings(1.0)))
+    install_post_import(observe.patches(settings(1.0, peak)))
     try:
         yield
     finally:
         observe.reset_for_tests()
         reset_for_tests()
+
+
+@pytest.fixture
+def observer() -> Iterator[None]:
+    """Observation with the high-water mark followed (KV_EXPORTER_OBSERVE_PEAK=1)."""
+    yield from _observing(peak=True)
+
+
+@pytest.fixture
+def observer_at_sample() -> Iterator[None]:
+    """Observation as it runs by default: the peak is the sample's figure, nothing hooked on the step path."""
+    yield from _observing(peak=False)
 
 
 def sample() -> Observation:

@@ -38,6 +38,7 @@ class _Observer:
     def __init__(self) -> None:
         self.registry = Registry()
         self.interval_s: float | None = None  # from the environment, read once
+        self.peak: bool | None = None  # KV_EXPORTER_OBSERVE_PEAK, likewise
         self.device_index: int | None = None
         self.sampler: Sampler | None = None
         self._transformers_missing: bool | None = None
@@ -46,6 +47,11 @@ class _Observer:
         if self.interval_s is None:
             self.interval_s = HookSettings.from_environ().observe_interval_s
         return self.interval_s
+
+    def follows_peaks(self) -> bool:
+        if self.peak is None:
+            self.peak = HookSettings.from_environ().observe_peak
+        return self.peak
 
     def transformers_missing(self) -> bool:
         if self._transformers_missing is None:
@@ -64,7 +70,11 @@ class _Observer:
         if reason:
             return self._result(ObservationState.UNAVAILABLE, reason, taken_at, started)
         try:
-            peaks = self.registry.accounts.take_peaks()  # first: reading a cache settles which owner it is
+            if self.registry.follows_peaks:
+                peaks = self.registry.accounts.take_peaks()  # first: reading a cache settles which owner it is
+            else:
+                self.registry.settle_candidates()
+                peaks = {}
             totals = measure(self.registry.entries(), Pacer(pause))
         except Exception as exc:
             reason = f"the sample failed: {exc!r}"
@@ -97,7 +107,8 @@ class _Observer:
     ) -> Observation:
         cuda: CudaMemory | None = cuda_memory(self.device_index)
         duration = time.perf_counter() - started
-        return Observation(state, reason, self.interval(), taken_at, duration, figures[0], cuda, figures[1])
+        peaks = self.registry.follows_peaks
+        return Observation(state, reason, self.interval(), taken_at, duration, figures[0], cuda, figures[1], peaks)
 
 
 def owners(
@@ -130,15 +141,16 @@ def patch_cache_module(module: ModuleType) -> None:
     if not isinstance(cache_base, type) or torch is None:
         _observer.registry.mark_unavailable("no-cache-class", f"{module.__name__} has no {CACHE_BASE} class")
         return
-    _observer.registry.install(cache_base, torch.nn.Module)
+    _observer.registry.install(cache_base, torch.nn.Module, _observer.follows_peaks())
 
 
 def patches(settings: HookSettings) -> dict[str, Callable[[ModuleType], None]]:
     """What the plugin's post-import hook patches for observation (nothing when it is off).
 
-    Also fixes this process's interval to the one in `settings`.
+    Also fixes this process's interval and peak following to those in `settings`.
     """
     _observer.interval_s = settings.observe_interval_s
+    _observer.peak = settings.observe_peak
     return {CACHE_MODULE: patch_cache_module} if settings.observing else {}
 
 

@@ -196,13 +196,14 @@ class Accounts:
             self._catch_up()
 
 
-def first_tensor(state: dict[str, Any] | None, pointer: int) -> Any:
-    """The K or V tensor of a cache whose storage is at `pointer` (None when it is gone)."""
+def first_tensor(state: dict[str, Any] | None, pointer: int | None) -> Any:
+    """The K or V tensor of a cache whose storage is at `pointer` (None: the first holding any), None when none is."""
     for layer in (state or {}).get("layers") or ():
         tensor: Any
         for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
             try:
-                if tensor.untyped_storage().data_ptr() == pointer:
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() == pointer or (pointer is None and storage.nbytes()):
                     return tensor
             except _NO_STORAGE:
                 pass

@@ -3,10 +3,10 @@
 `install` gives transformers' `Cache` base class a `__new__`: every subclass goes through it, and so does
 `copy.deepcopy` (which creates the copy with `cls.__new__` and never runs `__init__`). It makes one weak
 reference per cache (an `Entry`, which also carries the owner) and drops it from `live` when the cache is
-released. For the high-water mark (`peaks.Accounts`) it wraps the cache methods that change what a cache's layers
-hold (`peaks.CACHE_METHODS`, on the base class and on each subclass that defines its own, as it is first seen),
-and gives the cache base class a `__setattr__` that reports a new `layers` list and a `__setstate__` (what a copy's
-contents arrive through): the per-step cost is one call per cache update.
+released. Where the high-water mark is followed (`peaks.Accounts`, KV_EXPORTER_OBSERVE_PEAK) it also wraps the
+methods that change what a cache's layers hold (`update` and `peaks.RESHAPING_METHODS`, on the base class and on
+each subclass that defines its own, as it is first seen): the per-step cost is one call per cache update, and a
+read of the marked caches before each fall. Where it is not, nothing but the creation and the release is hooked.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class Registry:
         self._wrapped: set[type] = set()  # cache and layer classes whose methods report to the accounts
         self._growing: tuple[type, ...] = ()  # the cache module's GROWING_LAYERS
         self._layer_base: type | None = None
-        self._on_release = self._released
+        self.follows_peaks = False  # set by `install`
+        self._on_release: Callable[[Entry], None] = self._forget
         self.accounts = Accounts(self.live, self._charge, self._wrapped, self.layer_seen)
 
     def _released(self, entry: Entry) -> None:
@@ -71,18 +72,33 @@ class Registry:
             self.accounts.released(entry)
         except Exception as exc:
             _peak_failed(exc)
+        self._forget(entry)
+
+    def _forget(self, entry: Entry) -> None:
         if self.live.get(entry.cache_id) is entry:
             del self.live[entry.cache_id]
 
     def _charge(self, entry: Entry, pointer: int) -> str:
         """The owner a new storage of `entry`'s cache is charged to; its first storage settles a candidate."""
-        candidate = entry.candidate
-        if candidate is not None and entry.owner is not None:
-            entry.candidate = None
-            model, shape = self.model, _shape(entry.state, first_tensor(entry.state, pointer))
-            if shape is not None and model is not None and model.declares(candidate, shape):
-                entry.owner = candidate
+        if entry.candidate is not None and entry.owner is not None:
+            self._decide(entry, first_tensor(entry.state, pointer))
         return UNATTRIBUTED_OWNER if entry.owner is None else entry.owner  # as the sampler says before `attach`
+
+    def _decide(self, entry: Entry, tensor: Any) -> None:
+        """Charge `entry` to its candidate (the declaring ancestor) if `tensor`, its first, has a declared shape."""
+        candidate, entry.candidate = entry.candidate, None
+        model, shape = self.model, _shape(entry.state, tensor)
+        if candidate is not None and shape is not None and model is not None and model.declares(candidate, shape):
+            entry.owner = candidate
+
+    def settle_candidates(self) -> None:
+        """Where the high-water mark is not followed (its reads settle them): decide each cache still waiting for its
+        first K/V tensor by that tensor, before a sample charges it."""
+        for entry in self.entries():
+            if entry.candidate is not None and entry.owner is not None:
+                tensor = first_tensor(entry.state, None)
+                if tensor is not None:
+                    self._decide(entry, tensor)
 
     def entries(self) -> list[Entry]:
         """A snapshot of the live entries (one C-level copy: other threads may create or release meanwhile)."""
@@ -106,7 +122,7 @@ class Registry:
         entry.state = getattr(cache, "__dict__", None)
         entry.ptrs, entry.tally, entry.candidate = _NOTHING, None, None
         cls = type(cache)
-        if cls not in self._wrapped:
+        if self.follows_peaks and cls not in self._wrapped:
             self._wrap(cls)
         model = self.model
         if model is not None:
@@ -116,7 +132,9 @@ class Registry:
             entry.owner = None
             entry.pending = self._modules_on_stack(frame)
         self.live[key] = entry
-        if frame is not None and frame.f_code in _COPYING:  # its contents arrive after `__new__`, unannounced
+        if (
+            self.follows_peaks and frame is not None and frame.f_code in _COPYING
+        ):  # its contents arrive after `__new__`, unannounced
             self.accounts.dirty.add(key)
         model = self.model
         if entry.owner is None and model is not None:  # `attach` ran while this cache was being registered
@@ -159,7 +177,8 @@ class Registry:
         for entry in entries:
             if entry.owner is None:
                 self._settle(entry, self.model)
-        self.accounts.rebuild(entries)
+        if self.follows_peaks:
+            self.accounts.rebuild(entries)
 
     def _model_released(self, root: ModuleRef) -> None:
         if self.model is not None and self.model.root is root:
@@ -167,9 +186,9 @@ class Registry:
 
     # -- installation ---------------------------------------------------------------------------------------------
 
-    def install(self, cache_base: type, module_type: type[Any]) -> bool:
-        """Track every instance of `cache_base` and its subclasses from now on, and what their layers hold as it
-        changes; False when that cannot work."""
+    def install(self, cache_base: type, module_type: type[Any], follow_peaks: bool) -> bool:
+        """Track every instance of `cache_base` and its subclasses from now on, and (`follow_peaks`) what their
+        layers hold as it changes; False when that cannot work."""
         if cache_base.__weakrefoffset__ == 0:
             name = cache_base.__qualname__
             self.mark_unavailable(f"weakref:{name}", f"{name} cannot be weakly referenced; nothing is tracked")
@@ -182,9 +201,13 @@ class Registry:
         else:
             tracker = _Tracker(self)
             cache_base.__new__ = staticmethod(_tracking_new(cache_base, own_new, tracker))  # type: ignore[method-assign]
-        _Contents.accounts = self.accounts
+        self.follows_peaks = follow_peaks
+        self._on_release = self._released if follow_peaks else self._forget
+        _Contents.accounts = self.accounts if follow_peaks else None
         _Contents.is_compiling = staticmethod(_compiling_test())
         self.installed_on = cache_base
+        if not follow_peaks:
+            return True
         module = sys.modules.get(cache_base.__module__)
         growing = (getattr(module, name, None) for name in GROWING_LAYERS)
         self._growing = tuple(cls for cls in growing if isinstance(cls, type))
@@ -202,7 +225,7 @@ class Registry:
         """Report `cls`'s own methods that change what it holds (and its bases') to the accounts: a cache class's
         update marks it, its reshaping methods and a non-growing layer class's update catch up before they run."""
         cache_base = self.installed_on
-        if cache_base is None:
+        if cache_base is None or not self.follows_peaks:
             return
         is_cache = issubclass(cls, cache_base)
         base = cache_base if is_cache else self._layer_base

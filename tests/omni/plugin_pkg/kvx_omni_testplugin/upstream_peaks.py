@@ -743,7 +743,12 @@ def main() -> None:
     args = parser.parse_args()
     manifests = args.out / "manifests"
     settings = HookSettings(
-        disabled=False, directory=manifests, explicit_directory=True, collector="auto", observe_interval_s=INTERVAL_S
+        disabled=False,
+        directory=manifests,
+        explicit_directory=True,
+        collector="auto",
+        observe_interval_s=INTERVAL_S,
+        observe_peak=True,
     )
     assert "transformers" not in sys.modules  # the cache classes are patched as transformers defines them
     install_post_import(observe.patches(settings))
