@@ -198,6 +198,7 @@ def _owner_views(
             tally = tallies.setdefault((*base, d.owner), _Tally(m.max_num_seqs))
             tally.ceiling += d.peak_bytes(m.max_num_seqs)
             tally.declares = True
+            tally.peak_followed = tally.peak_followed and followed
     views = []
     for (key, where, pod, owner), tally in tallies.items():
         known = running.get(key)

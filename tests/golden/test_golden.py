@@ -43,7 +43,8 @@ WINDOW_ROW = 4_718_592
 
 def observed(taken_at: float) -> Observation:
     owners = (OwnerObservation(CODEC_OWNER, 3 * WINDOW_ROW, 3), OwnerObservation("vocoder", 524_288, 1))
-    return Observation(ObservationState.OK, "", 10.0, taken_at, 0.0004, owners, CudaMemory(21 * GIB, 22 * GIB))
+    cuda = CudaMemory(21 * GIB, 22 * GIB)
+    return Observation(ObservationState.OK, "", 10.0, taken_at, 0.0004, owners, cuda, peaks_followed=True)
 
 
 def write_inputs(folder: Path, served_model: str) -> None:

@@ -100,7 +100,7 @@ def test_report_puts_what_the_caches_hold_beside_what_they_declare(
     owner = QWEN3_TTS.declarations[0][0]
     # The vocoder's cache lives inside steps: 0 B at the sample, 512 KiB at its peak.
     held = (OwnerObservation(owner, 3 * 4_718_592, 3), OwnerObservation("vocoder", 0, 0, 524_288))
-    sample = Observation(ObservationState.OK, "", 10.0, time.time() - 2, 0.001, held)
+    sample = Observation(ObservationState.OK, "", 10.0, time.time() - 2, 0.001, held, peaks_followed=True)
     # This test process wrote it, so the report (in this pid namespace) checks it live in /proc.
     alive = replace(reference_manifest(QWEN3_TTS, max_num_seqs=8), process=ProcessInfo.current(), observation=sample)
     write_manifest(tmp_path, alive)

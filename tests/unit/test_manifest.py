@@ -367,7 +367,7 @@ def test_a_version_3_manifest_with_pod_peaks_and_unreadable_caches_round_trips(t
 def version_2_document() -> dict[str, Any]:
     document = observed_manifest().to_dict()
     document["schema_version"] = 2
-    del document["observation"]["unreadable"]
+    del document["observation"]["unreadable"], document["observation"]["peaks_followed"]
     for owner in document["observation"]["owners"]:
         del owner["peak_bytes"]
     return document
@@ -380,6 +380,7 @@ def test_a_version_2_observation_is_read_with_its_peak_at_the_sample() -> None:
     assert manifest.observation is not None and manifest.observation_problem is None
     assert [(o.bytes, o.peak_bytes) for o in manifest.observation.owners] == [(9_437_184, 9_437_184), (512, 512)]
     assert manifest.observation.unreadable == ()
+    assert manifest.observation.peaks_followed is False  # a version 2 worker followed none
 
 
 def test_a_version_2_observation_may_not_carry_a_peak() -> None:

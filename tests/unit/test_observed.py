@@ -29,6 +29,7 @@ from kv_exporter.observation import (
 )
 from kv_exporter.protocol import ModelLocalKVScope, ModelLocalKVSpec, RowDriver
 from kv_exporter.sidecar.engine_page import scan_page
+from kv_exporter.sidecar.families import observed_families
 from kv_exporter.sidecar.inputs import ManifestStore, ObservationAccount, assess
 from kv_exporter.sidecar.observed import (
     FUTURE_SKEW_S,
@@ -199,13 +200,34 @@ def test_unexplained_bytes_and_the_projection_use_the_peak_between_samples() -> 
         OwnerObservation("under", 5 * ROW, 5, 6 * ROW),
         OwnerObservation("undeclared", 0, 0, 4 * UNDECLARED),
     )
-    obs = Observation(ObservationState.OK, "", 10.0, NOW - 1, 0.001, peaks)
+    obs = Observation(ObservationState.OK, "", 10.0, NOW - 1, 0.001, peaks, peaks_followed=True)
     snap = snapshot([manifest(obs)], [page(5)])
     found = {o.owner: (o.observed_bytes, o.peak_bytes, o.unexplained_bytes) for o in snap.observed.owners}
     assert found["under"] == (5 * ROW, 6 * ROW, 5 * ROW)  # max(0, peak - its one-row ceiling)
     assert found["undeclared"] == (0, 4 * UNDECLARED, 4 * UNDECLARED)  # all of its peak
     to_come = MAX_NUM_SEQS - 5
     assert snap.gpus[0].unexplained_growth == (math.ceil(5 * ROW / 5) + math.ceil(4 * UNDECLARED / 5)) * to_come
+
+
+def peak_series(snap: Snapshot) -> dict[str, float]:
+    family = next(f for f in observed_families(snap.observed) if f.name == "model_local_kv_observed_peak_bytes")
+    return {sample.labels["owner"]: sample.value for sample in family.samples}
+
+
+def test_no_peak_is_claimed_unless_every_worker_follows_it() -> None:
+    followed = dataclasses.replace(observation(running=2), peaks_followed=True)
+    at_sample = observation(running=2)  # KV_EXPORTER_OBSERVE_PEAK unset: the peak is the sample's figure
+    assert peak_series(snapshot([manifest(followed)], [page(2)])) == {
+        "truthful": 2 * ROW,
+        "under": 2 * ROW,
+        "undeclared": UNDECLARED,
+        "never": 0,
+    }
+    for workers in ([manifest(at_sample)], [manifest(followed), manifest(at_sample, tp_rank=1)]):
+        snap = snapshot(workers, [page(2)])
+        assert peak_series(snap) == {}
+        # unexplained falls back on the sample's figure: the undeclared cache is still all unexplained
+        assert owners(snap)["undeclared"][1] == UNDECLARED * len(workers)
 
 
 def test_unreadable_caches_are_counted_by_owner_and_reason_beside_the_figures() -> None:
