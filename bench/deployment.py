@@ -108,7 +108,8 @@ def observation_of(declarations: Sequence[Declaration], taken_at: float) -> Obse
     held["blocks.extra.scratch"] = (1 << 20, 1)
     held["unattributed"] = (1 << 16, 1)
     owners = tuple(OwnerObservation(owner, bytes_held, caches) for owner, (bytes_held, caches) in sorted(held.items()))
-    return Observation(ObservationState.OK, "", DEFAULT_OBSERVE_INTERVAL_S, taken_at, 0.002, owners)
+    interval = DEFAULT_OBSERVE_INTERVAL_S
+    return Observation(ObservationState.OK, "", interval, taken_at, 0.002, owners, peaks_followed=True)
 
 
 def refresh_observations(folder: Path) -> int:

@@ -50,6 +50,7 @@ DEMO_GPU_BASE_USED = 76 * GIB
 DEMO_MAX_NUM_SEQS = (256, 64, 16, 8)
 WAVE_PERIOD_S = 60.0
 DEMO_OBSERVE_INTERVAL_S = 5.0
+PEAK_STEP_S = 0.1  # the demo's "steps": how finely its peak between samples is looked for
 # Where the demo's caches hold other than their declarations say (everything else holds exactly the declared rows).
 STORED_POSITIONS = {QWEN3_TTS.model_name: 72}  # a sliding layer's storage keeps the whole window
 UNDECLARED = {MING_FLASH_OMNI.model_name: ("talker.vocoder", 8 << 20)}  # owner, bytes: one cache, never declared
@@ -70,8 +71,19 @@ class DemoEngine:
         return round(wave * self.max_num_seqs)
 
     def held(self, now: float) -> tuple[OwnerObservation, ...]:
-        """What this engine's caches hold at `now`: per owner, its declared rows at the running count."""
-        running = self.running(now)
+        """What this engine's caches hold at `now`, per owner (its declared rows at the running count), and the most
+        they held since the sample before, as a worker following the peak (KV_EXPORTER_OBSERVE_PEAK=1) reports it:
+        the running count is a function of time, so its most over the interval is found at PEAK_STEP_S apart."""
+        at_sample = self._held_at(self.running(now))
+        steps = round(DEMO_OBSERVE_INTERVAL_S / PEAK_STEP_S)
+        most = max(self.running(now - i * PEAK_STEP_S) for i in range(steps + 1))
+        peak = self._held_at(most)
+        return tuple(
+            OwnerObservation(owner, size, caches, max(size, peak[owner][0]))
+            for owner, (size, caches) in at_sample.items()
+        )
+
+    def _held_at(self, running: int) -> dict[str, list[int]]:
         owners: dict[str, list[int]] = {}
         for owner, spec in self.model.declarations:
             d = Declaration.from_spec(owner, spec)
@@ -82,7 +94,7 @@ class DemoEngine:
         if self.model.model_name in UNDECLARED:
             owner, size = UNDECLARED[self.model.model_name]
             owners[owner] = [size, 1]
-        return tuple(OwnerObservation(owner, size, caches) for owner, (size, caches) in owners.items())
+        return owners
 
 
 def demo_engines() -> list[DemoEngine]:
@@ -165,7 +177,8 @@ class Observer:
     def observe(self) -> None:
         now = self.clock()
         for engine, manifest in self.manifests:
-            sample = Observation(ObservationState.OK, "", DEMO_OBSERVE_INTERVAL_S, now, 0.0, engine.held(now))
+            held = engine.held(now)
+            sample = Observation(ObservationState.OK, "", DEMO_OBSERVE_INTERVAL_S, now, 0.0, held, peaks_followed=True)
             write_manifest(self.folder, replace(manifest, observation=sample, written_at=now))
 
     def start(self) -> None:

@@ -62,7 +62,7 @@ def observation(model: ReferenceModel, running: int) -> Observation:
     owner, spec = model.declarations[0]
     per_row = Declaration.from_spec(owner, spec).bytes_per_row
     held = (OwnerObservation(owner, running * per_row, running), OwnerObservation("vocoder", 1 << 20, 1))
-    return Observation(ObservationState.OK, "", 10.0, time.time(), 0.001, held)
+    return Observation(ObservationState.OK, "", 10.0, time.time(), 0.001, held, peaks_followed=True)
 
 
 def start_host(stack: contextlib.ExitStack, workdir: Path, host: str) -> Sidecar:

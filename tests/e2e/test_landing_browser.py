@@ -70,7 +70,7 @@ class Gpu:
         if not self.undeclared_per_sequence:
             return None
         held = (OwnerObservation(VOCODER, self.undeclared_per_sequence * self.running, self.running),)
-        return Observation(ObservationState.OK, "", 10.0, time.time(), 0.001, held)
+        return Observation(ObservationState.OK, "", 10.0, time.time(), 0.001, held, peaks_followed=True)
 
 
 VOCODER = "vocoder"
