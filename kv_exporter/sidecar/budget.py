@@ -29,7 +29,8 @@ from kv_exporter.sidecar.observed import ObservedState
 from kv_exporter.sidecar.records import ManifestEntry, engine_key
 
 # The per-declaration families (bytes per row, ceiling, estimate, positions, info), the per-owner ones (observed
-# bytes, peak bytes, cache objects, unexplained bytes; and one per reason its unreadable caches have), and the
+# bytes, peak bytes where followed, cache objects, unexplained bytes; and one per reason its unreadable caches have),
+# and the
 # per-engine ones: running, max_num_seqs, up, manifests, one
 # observation state per state, its age, torch's two figures.
 SERIES_PER_DECLARATION = 5
@@ -114,13 +115,16 @@ def _cost(manifest: Manifest) -> Cost:
         + label_size(d.allocation_note or "")
         for d in manifest.declarations
     )
-    per_owner = sum(SERIES_PER_OWNER * (where + label_size(owner)) for owner in owners)
+    # The peak is exported only where every worker of the owner follows it: counting this one's is an upper bound.
+    followed = manifest.observation is not None and manifest.observation.peaks_followed
+    owner_series = SERIES_PER_OWNER if followed else SERIES_PER_OWNER - 1
+    per_owner = sum(owner_series * (where + label_size(owner)) for owner in owners)
     unreadable = manifest.observation.unreadable if manifest.observation else ()
     per_unreadable = sum(where + label_size(u.owner) + len(u.reason.value) for u in unreadable)
     per_engine = (_ENGINE_SERIES + len(ObservedState)) * engine + _STATE_BYTES + _ENGINE_GPU_SERIES * where
     series = (
         SERIES_PER_DECLARATION * len(manifest.declarations)
-        + SERIES_PER_OWNER * len(owners)
+        + owner_series * len(owners)
         + len(unreadable)
         + SERIES_PER_ENGINE
     )

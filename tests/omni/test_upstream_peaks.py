@@ -14,9 +14,9 @@ Cases:
   x-vector prompt: it declares nothing; per-request caches, their batched concatenation and its deep copy exist only
   inside a step. Charged to `decoder` (the module whose methods make them), all unexplained.
 - qwen3_tts_eager_icl: the same eager path with ICL prompts, two requests batched: the retained per-request caches
-  hold the prefix between steps, and the batched concatenation is made by assigning layer tensors directly. Expected
-  to fail (xfail, strict) until kv-exporter follows such assignments: its peak is short by one request's retained
-  cache (`MISSED`).
+  hold the prefix between steps, and the batched concatenation is made by deep-copying the first request's cache and
+  assigning its layers' tensors directly (no cache method announces them): counted because a copy is read at its
+  release, whatever was assigned to it meanwhile.
 - qwen3_tts_wrapper: the same decoder with its CUDA-graph wrapper attached by the real `enable_cudagraph` (every
   capture failed, as none can run here): the decoder declares; ICL prompts; the first chunk's cache is made by its
   child `decoder.pre_transformer` and charged to the declaring `decoder` (its geometry fits); nothing unexplained.
@@ -119,19 +119,6 @@ EXPECTED: dict[str, Callable[[dict[str, Any]], Figures]] = {
     "mimo": mimo,
 }
 CASES = tuple(EXPECTED)
-# What kv-exporter cannot follow today: storage that upstream code puts into a cache's layer itself, with no cache
-# method after it before the cache is dropped (its accounts still hold the replaced tensors; the sampler never sees
-# a cache made and dropped inside a step).
-MISSED = {
-    "qwen3_tts_eager_icl": "Qwen3TTSTokenizerV2Decoder._batch_dynamic_caches deep-copies the first request's cache, "
-    "then assigns each batched layer's keys and values the concatenation of every request's: the accounts keep the "
-    "copy's 7 positions, not the 14 concatenated, and the cache is only deep-copied and dropped after that (3,584 B "
-    "short of the independent count)",
-}
-EXPORTED_CASES = [
-    pytest.param(case, marks=pytest.mark.xfail(strict=True, reason=MISSED[case])) if case in MISSED else case
-    for case in CASES
-]
 
 
 @dataclass
@@ -216,7 +203,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     assert code == 0, log.read_text(errors="replace")[-6000:]
 
 
-@pytest.mark.parametrize("case", EXPORTED_CASES)
+@pytest.mark.parametrize("case", CASES)
 def test_the_exported_peak_is_the_independent_count_to_the_byte(run: Run, case: str) -> None:
     result = run.results[case]
     assert "error" not in result, (result, run.harness_log.read_text(errors="replace")[-6000:])
