@@ -40,23 +40,13 @@ from kv_exporter.plugin import observe
 from kv_exporter.plugin.hooks import install_post_import
 from kv_exporter.plugin.publish import publish
 from kv_exporter.plugin.settings import HookSettings
+from kvx_omni_testplugin.real_classes import bare
 
 MAX_NUM_SEQS = 4
 # Longer than any run: no sampler sample lands inside the steps. The interval is the one between the load and the
 # warmup publish, each of which takes a sample the way the hook's own publish does.
 INTERVAL_S = 3600.0
 READY = "READY"
-
-
-def bare(cls: type, **attributes: Any) -> Any:
-    """An instance of an nn.Module subclass without its real __init__, with the attributes given."""
-    from torch import nn
-
-    obj = cls.__new__(cls)
-    nn.Module.__init__(obj)
-    for name, value in attributes.items():
-        setattr(obj, name, value)
-    return obj
 
 
 def all_subclasses(cls: type) -> Iterator[type]:
