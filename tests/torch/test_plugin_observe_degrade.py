@@ -81,13 +81,16 @@ def test_a_sample_that_fails_says_why_and_the_next_one_is_tried(
     assert by_owner(sample())[UNATTRIBUTED_OWNER].bytes == measure_cache_bytes(cache).allocated_bytes
 
 
-BLOCKED_TRANSFORMERS = """
+def blocking(condition: str) -> str:
+    """A child process's first lines: importing a module whose `name` meets `condition` fails as if it were not
+    installed, and kv-exporter's warnings are collected in `warned`."""
+    return f"""
 import json, logging, sys
 
 class Blocker:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "transformers":
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        if {condition}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
         return None
 
 sys.meta_path.insert(0, Blocker())
@@ -95,7 +98,12 @@ warned = []
 handler = logging.Handler()
 handler.emit = lambda record: warned.append(record.getMessage())
 logging.getLogger("vllm.kv_exporter").addHandler(handler)
+"""
 
+
+BLOCKED_TRANSFORMERS = (
+    blocking('name.split(".")[0] == "transformers"')
+    + """
 from kv_exporter.plugin import observe, register
 register()
 import torch
@@ -111,6 +119,7 @@ except ImportError:
 print(json.dumps({"blocked": blocked, "shape": list(out.shape), "states": [first.state.value, second.state.value],
                   "reason": first.reason, "warned": [w for w in warned if "transformers" in w]}))
 """
+)
 
 
 def run_python(code: str, **env: str) -> dict[str, object]:
@@ -129,6 +138,33 @@ def test_without_transformers_the_observation_is_unavailable_and_the_model_runs(
     assert result["shape"] == [2, 3]
     assert result["states"] == ["unavailable", "unavailable"]
     assert result["reason"] == "transformers is not installed"
+    assert len(result["warned"]) == 1  # type: ignore[arg-type]
+
+
+# The C tracker as an installation without a C compiler leaves it: absent.
+UNBUILT_TRACKER = (
+    blocking('name == "kv_exporter.plugin.observe._tracker"')
+    + """
+from kv_exporter.plugin import observe, register
+register()
+import torch
+from transformers import DynamicCache
+model = torch.nn.Linear(4, 3)
+cache = DynamicCache()
+keys, _ = cache.update(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4), 0)
+observe.attach(model, [], torch.device("cpu"))
+first, second = observe.observe(), observe.observe()
+print(json.dumps({"shape": list(keys.shape), "states": [first.state.value, second.state.value],
+                  "reason": first.reason, "warned": [w for w in warned if "tracker" in w]}))
+"""
+)
+
+
+def test_without_the_compiled_tracker_the_observation_says_so_and_the_model_runs() -> None:
+    result = run_python(UNBUILT_TRACKER)
+    assert result["shape"] == [1, 2, 3, 4]
+    assert result["states"] == ["unavailable", "unavailable"]
+    assert "cache tracker (a C extension) is not built" in str(result["reason"])
     assert len(result["warned"]) == 1  # type: ignore[arg-type]
 
 

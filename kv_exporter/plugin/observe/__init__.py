@@ -71,7 +71,7 @@ class _Observer:
             return self._result(ObservationState.UNAVAILABLE, reason, taken_at, started)
         try:
             if self.registry.follows_peaks:
-                peaks = self.registry.accounts.take_peaks()  # first: reading a cache settles which owner it is
+                peaks = self.registry.take_peaks()  # first: reading a cache settles which owner it is
             else:
                 self.registry.settle_candidates()
                 peaks = {}

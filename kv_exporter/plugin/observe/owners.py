@@ -8,10 +8,11 @@ one of the ancestor's declarations (layers, KV heads, head size, dtype), else to
 undeclared. A declaring ancestor can therefore never hide a cache of another shape under its ceiling. Paths are the
 `named_modules()` paths of the unwrapped model, as the collector records declaration owners.
 
-Once the model is known (`ModelMap`) the walk looks each frame's code object up in a dictionary built from the
-methods of the model's module classes, by identity (Python hashes a code object's whole content on every lookup,
-~0.2-0.5 us), and stops at the first it finds: each module's attribution is computed once, when the model is
-attached, and a frame's `self` is read only where several modules share that code. Before the model is known
+Once the model is known (`ModelMap`) the tracker's walk (in C, `_tracker.c`) looks each frame's code object up in
+`ModelMap.sites`, built from the methods of the model's module classes, by identity (Python hashes a code object's
+whole content on every lookup, ~0.2-0.5 us), and stops at the first it finds: each module's attribution is computed
+once, when the model is attached, and a frame's `self` is read (`shared_owner`) only where several modules share
+that code. Before the model is known
 (during load), `StackModules` records weak references to the modules whose methods are on the stack, and
 `ModelMap.resolve` names them later.
 """
@@ -61,15 +62,14 @@ class Attribution(NamedTuple):
     candidate: str | None = None
 
 
-class _Site:
-    """One code object of the model's module classes."""
+class Site:
+    """Code several of the model's modules run (an inherited method): which one made a cache is told by the frame's
+    `self`."""
 
-    __slots__ = ("attribution", "code", "self_name")
+    __slots__ = ("code", "self_name")
 
-    def __init__(self, code: CodeType, attribution: Attribution | None) -> None:
+    def __init__(self, code: CodeType) -> None:
         self.code = code  # kept alive: the sites are keyed by its id
-        # Of the one module running this code; None when several share it (told apart by the frame's `self`).
-        self.attribution = attribution
         self.self_name = code.co_varnames[0]  # the name of its first parameter
 
 
@@ -93,7 +93,10 @@ class ModelMap:
             self._paths[id(module)] = path
             by_class.setdefault(type(module), []).append(path)
         self._attributions = {path: self._attribution(path) for path in self._paths.values()}
-        self._sites = self._build_sites(by_class, module_type)
+        self._codes: list[CodeType] = []  # every code `sites` names by id, kept alive as long as the map
+        # id(code) -> the attribution of the one module running it, or a Site where several share it (the tracker's
+        # frame walk looks each frame's code up here and stops at the first it finds).
+        self.sites: dict[int, Attribution | Site] = self._build_sites(by_class, module_type)
 
     def describes(self, model: object, declared: Mapping[str, Collection[Geometry]]) -> bool:
         return self.root() is _unwrap(model) and self.declared == {o: frozenset(g) for o, g in declared.items()}
@@ -101,7 +104,7 @@ class ModelMap:
     def declares(self, owner: str, shape: Shape) -> bool:
         return any(shape.fits(declared) for declared in self.declared.get(owner, ()))
 
-    def _build_sites(self, by_class: dict[type, list[str]], module_type: type[Any]) -> dict[int, _Site]:
+    def _build_sites(self, by_class: dict[type, list[str]], module_type: type[Any]) -> dict[int, Attribution | Site]:
         # By id, here too: two methods with the same name, line and body in different files compare equal.
         codes: dict[int, CodeType] = {}
         paths_by_code: dict[int, list[str]] = {}
@@ -109,25 +112,16 @@ class ModelMap:
             for code in {id(code): code for code in _method_codes(cls, module_type)}.values():
                 codes[id(code)] = code
                 paths_by_code.setdefault(id(code), []).extend(paths)
+        self._codes = list(codes.values())
         return {
-            key: _Site(codes[key], self._attributions[paths[0]] if len(paths) == 1 else None)
+            key: self._attributions[paths[0]] if len(paths) == 1 else Site(codes[key])
             for key, paths in paths_by_code.items()
         }
 
-    def owner_at(self, frame: FrameType | None) -> Attribution:
-        """The attribution of a cache created by `frame` (the caller of the cache class's `__new__`): the first
-        frame running a module's code names it; stops there."""
-        sites, attributions = self._sites, self._attributions
-        while frame is not None:
-            site = sites.get(id(frame.f_code))
-            if site is not None:
-                if site.attribution is not None:
-                    return site.attribution
-                path = self._paths.get(id(frame.f_locals.get(site.self_name)))
-                if path is not None:
-                    return attributions[path]
-            frame = frame.f_back
-        return _UNATTRIBUTED
+    def shared_owner(self, site: Site, frame: FrameType) -> Attribution | None:
+        """The attribution of `frame`, running `site`'s shared code, by its `self`; None: not one of the model's."""
+        path = self._paths.get(id(frame.f_locals.get(site.self_name)))
+        return None if path is None else self._attributions[path]
 
     def resolve(self, modules: Sequence[ModuleRef]) -> Attribution:
         """The attribution of a cache created before the model was known, from the modules on its stack then."""

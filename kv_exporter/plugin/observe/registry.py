@@ -1,95 +1,70 @@
 """Every live transformers cache in this process, from creation to release, held by weak references only.
 
 `install` gives transformers' `Cache` base class a `__new__`: every subclass goes through it, and so does
-`copy.deepcopy` (which creates the copy with `cls.__new__` and never runs `__init__`). It makes one weak
-reference per cache (an `Entry`, which also carries the owner) and drops it from `live` when the cache is
-released. Where the high-water mark is followed (`peaks.Accounts`, KV_EXPORTER_OBSERVE_PEAK) it also wraps the
-methods that change what a cache's layers hold (`update` and `peaks.RESHAPING_METHODS`, on the base class and on
-each subclass that defines its own, as it is first seen): the per-step cost is one call per cache update, and a
-read of the marked caches before each fall. Where it is not, nothing but the creation and the release is hooked.
+`copy.deepcopy` (which creates the copy with `cls.__new__` and never runs `__init__`). It hands each new cache to the
+C tracker (`_tracker.Tracker`), which makes one weak reference per cache (an `Entry`, which also carries the owner),
+names its owner from the creating frames and drops it when the cache is released. Where the high-water mark is
+followed (KV_EXPORTER_OBSERVE_PEAK, peaks.py) the registry also wraps the methods that change what a cache's layers
+hold (`update` and `peaks.RESHAPING_METHODS`, on the base class and on each subclass that defines its own, as it is
+first seen): a cache update marks its cache, a reshaping method has the marked caches read first. Where it is not,
+nothing but the creation and the release is hooked.
+
+The hooks on the step path are thin Python functions (dynamo traces them, and must be able to step over them while
+it compiles) that call the tracker. Everything the tracker cannot decide fast it asks the registry, its `delegate`:
+a frame's `self` where several modules share one method, the modules on a stack before the model is known, a
+declaring ancestor's geometry at a cache's first storage, a class first seen, a failure to report.
 """
 
 from __future__ import annotations
 
 import copyreg
 import functools
+import inspect
 import sys
-import weakref
 from collections.abc import Callable, Collection, Mapping
 from types import FrameType
 from typing import Any
 
 from kv_exporter.observation import UNATTRIBUTED_OWNER
-from kv_exporter.plugin.observe.owners import Attribution, Geometry, ModelMap, ModuleRef, Shape, StackModules
-from kv_exporter.plugin.observe.peaks import (
-    _NOTHING,
-    GROWING_LAYERS,
-    RESHAPING_METHODS,
-    UPDATE_METHOD,
-    Accounts,
-    Tally,
-    first_tensor,
-)
+from kv_exporter.plugin.observe.owners import Attribution, Geometry, ModelMap, ModuleRef, Shape, Site, StackModules
+from kv_exporter.plugin.observe.peaks import GROWING_LAYERS, RESHAPING_METHODS, UPDATE_METHOD, first_tensor
 from kv_exporter.plugin.oncelog import warn_once
+
+try:
+    from kv_exporter.plugin.observe._tracker import Entry, Tracker
+except ImportError as exc:  # built without a C compiler: observation says so, the hook works on
+    Entry = Tracker = None  # type: ignore[assignment,misc]
+    _NOT_BUILT = f"kv-exporter's cache tracker (a C extension) is not built for this Python ({exc})"
+else:
+    _NOT_BUILT = ""
+
+__all__ = ["PATCHED_MARK", "Entry", "Registry"]
 
 PATCHED_MARK = "__kv_exporter_observe__"
 # What `copy.copy`, `copy.deepcopy` and `pickle` create an instance through (its `__new__`'s caller).
-_COPYING = frozenset(getattr(copyreg, name).__code__ for name in ("__newobj__", "__newobj_ex__"))
+_COPYING = tuple(getattr(copyreg, name).__code__ for name in ("__newobj__", "__newobj_ex__"))
 LAYER_BASE = "CacheLayerMixin"  # the cache module's layer base class (transformers 4.56 and later)
-
-
-class Entry(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference to one cache, with its owner (None until the model is known, then `pending` names it) and
-    what the accounts need (peaks.Accounts)."""
-
-    __slots__ = ("cache_id", "candidate", "owner", "pending", "ptrs", "state", "tally")
-
-    cache_id: int
-    owner: str | None
-    candidate: str | None  # a declaring ancestor whose declared memory the cache may be, until its first storage
-    pending: tuple[ModuleRef, ...]  # the modules on the creating stack, for a cache created before `attach`
-    state: dict[str, Any] | None  # the cache's instance dictionary: still readable in the release callback
-    ptrs: dict[int, int]  # the accounts': data pointer -> bytes of what it held when last read
-    tally: Tally | None  # the accounts': its owner's, from its first storage on
 
 
 class Registry:
     def __init__(self) -> None:
-        self.live: dict[int, Entry] = {}  # id(cache) -> entry, in creation order
         self.model: ModelMap | None = None
         self.installed_on: type | None = None
         self.unavailable = ""  # why the figures cannot be complete in this process ("" while they can)
+        self.follows_peaks = False  # set by `install`
         self._stack_modules: StackModules | None = None
-        self._wrapped: set[type] = set()  # cache and layer classes whose methods report to the accounts
+        self._wrapped: set[type] = set()  # cache and layer classes seen (and their methods wrapped, where followed)
         self._growing: tuple[type, ...] = ()  # the cache module's GROWING_LAYERS
         self._layer_base: type | None = None
-        self.follows_peaks = False  # set by `install`
-        self._on_release: Callable[[Entry], None] = self._forget
-        self.accounts = Accounts(self.live, self._charge, self._wrapped, self.layer_seen)
+        self.tracker = None if Tracker is None else Tracker(self, UNATTRIBUTED_OWNER, self._wrapped, _COPYING)
 
-    def _released(self, entry: Entry) -> None:
-        try:
-            self.accounts.released(entry)
-        except Exception as exc:
-            _peak_failed(exc)
-        self._forget(entry)
+    def entries(self) -> list[Entry]:
+        """A snapshot of the live entries, in creation order."""
+        return [] if self.tracker is None else self.tracker.entries()
 
-    def _forget(self, entry: Entry) -> None:
-        if self.live.get(entry.cache_id) is entry:
-            del self.live[entry.cache_id]
-
-    def _charge(self, entry: Entry, pointer: int) -> str:
-        """The owner a new storage of `entry`'s cache is charged to; its first storage settles a candidate."""
-        if entry.candidate is not None and entry.owner is not None:
-            self._decide(entry, first_tensor(entry.state, pointer))
-        return UNATTRIBUTED_OWNER if entry.owner is None else entry.owner  # as the sampler says before `attach`
-
-    def _decide(self, entry: Entry, tensor: Any) -> None:
-        """Charge `entry` to its candidate (the declaring ancestor) if `tensor`, its first, has a declared shape."""
-        candidate, entry.candidate = entry.candidate, None
-        model, shape = self.model, _shape(entry.state, tensor)
-        if candidate is not None and shape is not None and model is not None and model.declares(candidate, shape):
-            entry.owner = candidate
+    def take_peaks(self) -> dict[str, int]:
+        """owner -> the most it held since the last call (reading a cache settles which owner it is)."""
+        return {} if self.tracker is None else self.tracker.take_peaks()
 
     def settle_candidates(self) -> None:
         """Where the high-water mark is not followed (its reads settle them): decide each cache still waiting for its
@@ -100,64 +75,59 @@ class Registry:
                 if tensor is not None:
                     self._decide(entry, tensor)
 
-    def entries(self) -> list[Entry]:
-        """A snapshot of the live entries (one C-level copy: other threads may create or release meanwhile)."""
-        return list(self.live.values())
-
     def mark_unavailable(self, key: str, reason: str) -> None:
         warn_once(f"observe:{key}", "kv-exporter: cache observation unavailable: %s", reason)
         if not self.unavailable:
             self.unavailable = reason
 
-    # -- tracking (runs inside every cache's creation) ----------------------------------------------------------
+    # -- the tracker's delegate (called from C where its fast path cannot decide) ----------------------------------
 
-    def track(self, cache: object, frame: FrameType | None) -> None:
-        try:
-            entry = Entry(cache, self._on_release)
-        except TypeError:
-            name = type(cache).__qualname__
-            self.mark_unavailable(f"weakref:{name}", f"{name} cannot be weakly referenced, so its caches go uncounted")
-            return
-        key = entry.cache_id = id(cache)
-        entry.state = getattr(cache, "__dict__", None)
-        entry.ptrs, entry.tally, entry.candidate = _NOTHING, None, None
-        cls = type(cache)
-        if self.follows_peaks and cls not in self._wrapped:
-            self._wrap(cls)
+    def owner_of_shared(self, site: Site, frame: FrameType) -> Attribution | None:
+        """The attribution of `frame`, running code several modules share, by its `self`; None: not a module's."""
         model = self.model
-        if model is not None:
-            entry.owner, entry.candidate = self._owner_at(model, frame)
-            entry.pending = ()
-        else:
-            entry.owner = None
-            entry.pending = self._modules_on_stack(frame)
-        self.live[key] = entry
-        if (
-            self.follows_peaks and frame is not None and frame.f_code in _COPYING
-        ):  # its contents arrive after `__new__`, unannounced
-            self.accounts.dirty.add(key)
-        model = self.model
-        if entry.owner is None and model is not None:  # `attach` ran while this cache was being registered
-            self._settle(entry, model)
+        return None if model is None else model.shared_owner(site, frame)
 
-    @staticmethod
-    def _owner_at(model: ModelMap, frame: FrameType | None) -> Attribution:
-        try:
-            return model.owner_at(frame)
-        except Exception as exc:  # a strange frame must not lose the cache: count it, unattributed
-            warn_once(
-                "observe:owner", "kv-exporter: cannot attribute a cache (%s); counting it as unattributed", repr(exc)
-            )
-            return Attribution(UNATTRIBUTED_OWNER)
-
-    def _modules_on_stack(self, frame: FrameType | None) -> tuple[ModuleRef, ...]:
+    def modules_on_stack(self, frame: FrameType | None) -> tuple[ModuleRef, ...]:
+        """Before the model is known: the modules on a new cache's creating stack, named when it is attached."""
         if self._stack_modules is None:
             return ()
         try:
             return self._stack_modules.on_stack(frame)
-        except Exception as exc:  # as above: the cache is counted, it will be unattributed
+        except Exception as exc:  # the cache is counted: it will be unattributed
             warn_once("observe:stack", "kv-exporter: cannot read a cache's creating stack (%s)", repr(exc))
             return ()
+
+    def charge(self, entry: Entry, pointer: int) -> str:
+        """A cache's first storage, at `pointer`, settles its candidate: the owner its storage is charged to."""
+        self._decide(entry, first_tensor(entry.state, pointer))
+        return UNATTRIBUTED_OWNER if entry.owner is None else entry.owner
+
+    def class_seen(self, cls: type) -> None:
+        """A cache or layer class first met (defined after the install): its methods are followed from now on."""
+        self._wrap(cls)
+        self._wrapped.add(cls)
+
+    def settle(self, entry: Entry) -> None:
+        """A cache registered while `attach` ran: named now."""
+        if self.model is not None:
+            self._settle(entry, self.model)
+
+    def failed(self, where: str, exc: BaseException) -> None:
+        warn_once(f"observe:{where}", "kv-exporter: the high-water mark cannot follow a cache (%s)", repr(exc))
+
+    def track_failed(self, cache: object, exc: Exception) -> None:
+        name = type(cache).__qualname__
+        if isinstance(exc, TypeError) and "weak reference" in str(exc):
+            self.mark_unavailable(f"weakref:{name}", f"{name} cannot be weakly referenced, so its caches go uncounted")
+        else:
+            self.mark_unavailable("track", f"tracking a {name} failed ({exc!r})")
+
+    def _decide(self, entry: Entry, tensor: Any) -> None:
+        """Charge `entry` to its candidate (the declaring ancestor) if `tensor`, its first, has a declared shape."""
+        candidate, entry.candidate = entry.candidate, None
+        model, shape = self.model, _shape(entry.state, tensor)
+        if candidate is not None and shape is not None and model is not None and model.declares(candidate, shape):
+            entry.owner = candidate
 
     @staticmethod
     def _settle(entry: Entry, model: ModelMap) -> None:
@@ -173,38 +143,44 @@ class Registry:
         if self.model is not None and self.model.describes(model, declared):
             return
         self.model = ModelMap(model, declared, module_type, on_release=self._model_released)
-        entries = self.entries()
-        for entry in entries:
+        if self.tracker is None:
+            return
+        self.tracker.set_sites(self.model.sites)
+        for entry in self.entries():
             if entry.owner is None:
                 self._settle(entry, self.model)
         if self.follows_peaks:
-            self.accounts.rebuild(entries)
+            self.tracker.rebuild()
 
     def _model_released(self, root: ModuleRef) -> None:
         if self.model is not None and self.model.root is root:
             self.model = None
+            if self.tracker is not None:
+                self.tracker.set_sites(None)
 
     # -- installation ---------------------------------------------------------------------------------------------
 
     def install(self, cache_base: type, module_type: type[Any], follow_peaks: bool) -> bool:
         """Track every instance of `cache_base` and its subclasses from now on, and (`follow_peaks`) what their
         layers hold as it changes; False when that cannot work."""
+        tracker = self.tracker
+        if tracker is None:
+            self.mark_unavailable("not-built", _NOT_BUILT)
+            return False
         if cache_base.__weakrefoffset__ == 0:
             name = cache_base.__qualname__
             self.mark_unavailable(f"weakref:{name}", f"{name} cannot be weakly referenced; nothing is tracked")
             return False
         self._stack_modules = StackModules(module_type)
         own_new = cache_base.__dict__.get("__new__")
-        tracker = getattr(getattr(own_new, "__func__", own_new), PATCHED_MARK, None)
-        if isinstance(tracker, _Tracker):  # patched before (an earlier registry, in tests): track into this one
-            tracker.registry = self
-        else:
-            tracker = _Tracker(self)
-            cache_base.__new__ = staticmethod(_tracking_new(cache_base, own_new, tracker))  # type: ignore[method-assign]
-        self.follows_peaks = follow_peaks
-        self._on_release = self._released if follow_peaks else self._forget
-        _Contents.accounts = self.accounts if follow_peaks else None
-        _Contents.is_compiling = staticmethod(_compiling_test())
+        if not hasattr(getattr(own_new, "__func__", own_new), PATCHED_MARK):
+            cache_base.__new__ = staticmethod(_tracking_new(cache_base, own_new))  # type: ignore[method-assign]
+        self.follows_peaks = tracker.follows_peaks = follow_peaks
+        _Hooks.registry = self
+        _Hooks.track = tracker.track
+        _Hooks.mark = tracker.mark if follow_peaks else None
+        _Hooks.catch_up = tracker.catch_up if follow_peaks else None
+        _Hooks.is_compiling = staticmethod(_compiling_test())
         self.installed_on = cache_base
         if not follow_peaks:
             return True
@@ -222,7 +198,7 @@ class Registry:
         return True
 
     def _wrap(self, cls: type) -> None:
-        """Report `cls`'s own methods that change what it holds (and its bases') to the accounts: a cache class's
+        """Report `cls`'s own methods that change what it holds (and its bases') to the tracker: a cache class's
         update marks it, its reshaping methods and a non-growing layer class's update catch up before they run."""
         cache_base = self.installed_on
         if cache_base is None or not self.follows_peaks:
@@ -243,20 +219,13 @@ class Registry:
                     hook = _falling(method, marks=False)
                 setattr(klass, name, hook)
 
-    def layer_seen(self, cls: type) -> None:
-        """A layer class first met in a read (defined after the install): its update is followed from now on."""
-        if cls not in self._wrapped:
-            self._wrap(cls)
-
     def detach(self) -> None:
-        """Stop tracking into this registry (tests, benchmarks). The content hooks go; the `__new__` stays: CPython
-        cannot give a class back the `object.__new__` it inherited once it has had its own (deleting it leaves a slot
-        that refuses arguments)."""
-        cache_base, self.installed_on = self.installed_on, None
-        own_new = None if cache_base is None else cache_base.__dict__.get("__new__")
-        tracker = getattr(getattr(own_new, "__func__", own_new), PATCHED_MARK, None)
-        if isinstance(tracker, _Tracker) and tracker.registry is self:
-            tracker.registry = _Contents.accounts = None
+        """Stop tracking into this registry (tests, benchmarks). The content hooks go; the `__new__` stays (tracking
+        nowhere): CPython cannot give a class back the `object.__new__` it inherited once it has had its own (deleting
+        it leaves a slot that refuses arguments)."""
+        self.installed_on = None
+        if _Hooks.registry is self:
+            _Hooks.registry = _Hooks.track = _Hooks.mark = _Hooks.catch_up = None
             for klass in self._wrapped:
                 for name, method in list(vars(klass).items()):
                     original = getattr(method, PATCHED_MARK, None)
@@ -265,20 +234,22 @@ class Registry:
         self._wrapped.clear()
 
 
-class _Tracker:
-    """Where the patched `__new__` tracks to (None: nowhere)."""
+class _Hooks:
+    """Where the hooks on the step path report: class state, not closure cells (dynamo wraps a traced function's
+    cells when it inlines it, and cannot wrap a tracker; state it never loads while tracing costs nothing). None:
+    not tracking (detached, or that part not followed)."""
 
-    __slots__ = ("registry",)
+    registry: Registry | None = None
+    track: Callable[[object], None] | None = None
+    mark: Callable[[object], None] | None = None
+    catch_up: Callable[[], None] | None = None
+    is_compiling: Callable[[], bool] = staticmethod(lambda: False)
 
-    def __init__(self, registry: Registry | None) -> None:
-        self.registry = registry
 
-
-def _tracking_new(cache_base: type[Any], own_new: Any, tracker: _Tracker) -> Any:
+def _tracking_new(cache_base: type[Any], own_new: Any) -> Any:
     """The `__new__` to put on `cache_base`: create the instance as before, then track it, never raising."""
     original = getattr(own_new, "__func__", own_new)  # a `__new__` the class defines itself, else None
     object_new = object.__new__
-    is_compiling = _compiling_test()
 
     def __new__(cls: type[Any], *args: Any, **kwargs: Any) -> Any:
         if original is not None:
@@ -287,40 +258,88 @@ def _tracking_new(cache_base: type[Any], own_new: Any, tracker: _Tracker) -> Any
             upstream = super(cache_base, cls).__new__
             # object.__new__ refuses arguments once a class overrides __new__; __init__ takes them.
             instance = object_new(cls) if upstream is object_new else upstream(cls, *args, **kwargs)
-        registry = tracker.registry
-        if registry is not None and not is_compiling():
+        track = _Hooks.track
+        if track is not None and not _Hooks.is_compiling():
             try:
-                registry.track(instance, sys._getframe(1))
+                track(instance)  # the tracker reads this frame's caller: the code that made the cache
             except Exception as exc:
-                registry.mark_unavailable("track", f"tracking a {cls.__qualname__} failed ({exc!r})")
+                registry = _Hooks.registry
+                if registry is not None:
+                    registry.track_failed(instance, exc)
         return instance
 
-    setattr(__new__, PATCHED_MARK, tracker)
+    setattr(__new__, PATCHED_MARK, True)
     return __new__
-
-
-class _Contents:
-    """Where the content hooks report: module state, not closure cells (dynamo wraps a traced function's cells
-    when it inlines it, and cannot wrap a registry; a global it never loads while tracing costs nothing)."""
-
-    accounts: Accounts | None = None  # the installed registry's; None once detached
-    is_compiling: Callable[[], bool] = staticmethod(lambda: False)
 
 
 def _marking(method: Callable[..., Any]) -> Callable[..., Any]:
     """A cache's `update`, then the cache marked: what it holds may have grown (read at the next fall or sample).
-    Steps aside while dynamo traces (as `__new__` does: what compiled code holds is seen at the next sample)."""
+    Steps aside while dynamo traces (as `__new__` does: what compiled code holds is seen at the next sample).
 
-    @functools.wraps(method)
-    def marking(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = method(self, *args, **kwargs)
-        accounts = _Contents.accounts
-        if accounts is not None and not _Contents.is_compiling():
-            accounts.dirty.add(id(self))
-        return result
-
+    It runs on every cache update, so it takes `method`'s own parameters and calls it without packing them where it
+    can (`_forwarding`): a `*args, **kwargs` wrapper cost ~50% more per call (docs/benchmarks.md, section 9)."""
+    body = """
+        mark = _Hooks.mark
+        if mark is not None and not _Hooks.is_compiling():
+            mark(self)
+        return result"""
+    marking = _forwarding(method, body, {"_Hooks": _Hooks})
     setattr(marking, PATCHED_MARK, method)
     return marking
+
+
+def _forwarding(method: Callable[..., Any], body: str, names: dict[str, Any]) -> Callable[..., Any]:
+    """A function with `method`'s parameters (and defaults) that sets `result` to `method` called with them, then
+    runs `body`; its first parameter is named `self` there. Where `method`'s signature cannot be read, or its first
+    parameter is not positional, a `*args, **kwargs` one."""
+    try:
+        parameters = list(inspect.signature(method).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    first = parameters[0] if parameters else None
+    taken = {*names, "result"} | {name for name in body.split() if name.isidentifier()}
+    if (
+        first is None
+        or first.kind not in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD)
+        or any(p.name in taken or p.name.startswith("_kvx_") for p in parameters[1:])
+    ):
+        parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]
+        parameters += [inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)]
+        parameters += [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
+    namespace: dict[str, Any] = {**names, "_kvx_method": method}
+    declared, passed, spread = [], [], []
+    for index, parameter in enumerate(parameters):
+        name = "self" if index == 0 else parameter.name
+        if parameter.default is not parameter.empty:
+            namespace[f"_kvx_default_{index}"] = parameter.default
+        default = "" if parameter.default is parameter.empty else f"=_kvx_default_{index}"
+        if parameter.kind is parameter.VAR_POSITIONAL:
+            declared.append(f"*{name}")
+            spread.append(f"*{name}")
+        elif parameter.kind is parameter.VAR_KEYWORD:
+            declared.append(f"**{name}")
+            spread.append(f"**{name}")
+        elif parameter.kind is parameter.KEYWORD_ONLY:
+            if not any(text.startswith("*") for text in declared):
+                declared.append("*")
+            declared.append(name + default)
+            passed.append(f"{name}={name}")
+        else:
+            declared.append(name + default)
+            passed.append(name)
+        if parameter.kind is parameter.POSITIONAL_ONLY and (
+            index + 1 == len(parameters) or parameters[index + 1].kind is not parameter.POSITIONAL_ONLY
+        ):
+            declared.append("/")
+    packed = [name.lstrip("*") for name in spread]
+    call = f"_kvx_method({', '.join(passed + spread)})"
+    plain = f"_kvx_method({', '.join(passed)})"
+    # Empty `*args` and `**kwargs` (the usual case) are not spread again: a plain call is cheaper.
+    result = f"{call} if {' or '.join(packed)} else {plain}" if packed else call
+    source = f"def {method.__name__}({', '.join(declared)}):\n        result = {result}{body}\n"
+    exec(compile(source, f"<kv-exporter wrapper of {method.__qualname__}>", "exec"), namespace)
+    function: Callable[..., Any] = functools.wraps(method)(namespace[method.__name__])
+    return function
 
 
 def _falling(method: Callable[..., Any], marks: bool) -> Callable[..., Any]:
@@ -329,24 +348,17 @@ def _falling(method: Callable[..., Any], marks: bool) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def falling(self: Any, *args: Any, **kwargs: Any) -> Any:
-        accounts = _Contents.accounts
-        if accounts is None or _Contents.is_compiling():
+        catch_up, mark = _Hooks.catch_up, _Hooks.mark
+        if catch_up is None or mark is None or _Hooks.is_compiling():
             return method(self, *args, **kwargs)
-        try:
-            accounts.catch_up()
-        except Exception as exc:
-            _peak_failed(exc)
+        catch_up()  # never raises: the tracker reports its failures
         result = method(self, *args, **kwargs)
         if marks:
-            accounts.dirty.add(id(self))
+            mark(self)
         return result
 
     setattr(falling, PATCHED_MARK, method)
     return falling
-
-
-def _peak_failed(exc: Exception) -> None:
-    warn_once("observe:peak", "kv-exporter: the high-water mark cannot follow a cache (%s)", repr(exc))
 
 
 def _shape(state: dict[str, Any] | None, tensor: Any) -> Shape | None:
@@ -361,9 +373,11 @@ def _shape(state: dict[str, Any] | None, tensor: Any) -> Shape | None:
 
 
 def _compiling_test() -> Callable[[], bool]:
-    """torch.compiler.is_compiling: True while dynamo traces. The frame walk is not traceable (sys._getframe) and
-    would break a fullgraph compile of code that makes a cache. The price: a cache made inside compiled code and
-    kept after it goes uncounted (dynamo recreates it at run time with `object.__new__`, past this one)."""
+    """torch.compiler.is_dynamo_compiling (else is_compiling, before torch 2.3): True while dynamo traces, which
+    cannot trace the tracker (it reads the interpreter's frames) and would break a fullgraph compile of code that
+    makes a cache. The dynamo-only test is one Python call, is_compiling three: it runs on every cache update. The
+    price: a cache made inside compiled code and kept after it goes uncounted (dynamo recreates it at run time with
+    `object.__new__`, past this one)."""
     compiler = getattr(sys.modules.get("torch"), "compiler", None)
-    test = getattr(compiler, "is_compiling", None)
+    test = getattr(compiler, "is_dynamo_compiling", None) or getattr(compiler, "is_compiling", None)
     return test if callable(test) else lambda: False
