@@ -22,9 +22,10 @@ COPY deploy/docker/install-sidecar.sh /usr/local/bin/
 RUN install-sidecar.sh /src /opt/kv-exporter /wheels
 
 FROM ${VLLM_IMAGE} AS vllm-plugin
-COPY --from=build /wheels/ /tmp/kv-exporter-wheels/
+# The source, not the build stage's wheel: the plugin's cache tracker is a C extension built by the image's Python.
+COPY --from=build /src/ /tmp/kv-exporter-src/
 COPY deploy/docker/install-plugin.sh /usr/local/bin/
-RUN install-plugin.sh /tmp/kv-exporter-wheels && rm -rf /tmp/kv-exporter-wheels
+RUN install-plugin.sh /tmp/kv-exporter-src && rm -rf /tmp/kv-exporter-src
 
 FROM ${PYTHON_IMAGE} AS sidecar
 LABEL org.opencontainers.image.title="kv-exporter" \

@@ -13,6 +13,11 @@ DEMO_ARGS  ?=
 UNIT_VENV  := .venv-unit
 UNIT_STAMP := $(UNIT_VENV)/.installed
 UNIT_TESTS := tests/unit tests/golden
+# The plugin's cache tracker, a C extension the editable installs build in place (shared by every 3.11 venv here):
+# rebuilt when its source changes, and required to import, since pip treats its build as optional (an image
+# without a compiler still installs the plugin, which then reports its observation "not-built").
+TRACKER_SOURCE := kv_exporter/plugin/observe/_tracker.c
+TRACKER_STAMP  := $(VENV)/.tracker-built
 
 .PHONY: demo test lint unit engine-env omni-env omni32-env fuzz-env system-deps bench fuzz gpu-proof clean
 
@@ -21,6 +26,12 @@ $(STAMP): pyproject.toml requirements-dev.txt requirements-unit.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[nvml,web]' -r requirements-dev.txt
 	touch $(STAMP)
+
+$(TRACKER_STAMP): $(STAMP) $(TRACKER_SOURCE)
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -c 'import kv_exporter.plugin.observe._tracker' || \
+		{ echo "the cache tracker did not build: a C compiler and Python's headers are needed" >&2; exit 1; }
+	touch $(TRACKER_STAMP)
 
 $(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(DEMO_VENV)
@@ -59,10 +70,10 @@ omni32-env:
 fuzz-env:
 	bash scripts/fuzz.sh --env-only
 
-test: $(STAMP) system-deps engine-env omni-env omni32-env fuzz-env lint
+test: $(STAMP) $(TRACKER_STAMP) system-deps engine-env omni-env omni32-env fuzz-env lint
 	$(PY) -m pytest tests
 
-bench: $(STAMP)
+bench: $(STAMP) $(TRACKER_STAMP)
 	$(PY) -m bench.run_all
 
 fuzz: $(STAMP)

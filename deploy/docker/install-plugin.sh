@@ -1,17 +1,29 @@
 #!/bin/sh
-# install-plugin.sh WHEELS
+# install-plugin.sh SRC
 # Adds the kv-exporter vLLM plugin to the Python environment of an upstream vLLM (or vllm-omni) image, without
-# touching vLLM's own pins (--no-deps: its one dependency, prometheus-client, already comes with vLLM). Then
-# checks that vLLM will find it (entry point group vllm.general_plugins).
+# touching vLLM's own pins (--no-deps: its one dependency, prometheus-client, already comes with vLLM). It builds
+# from the source tree SRC with the image's own Python, because the plugin's cache tracker is a C extension
+# (kv_exporter.plugin.observe._tracker) that must match that interpreter. Then checks that vLLM will find the
+# plugin (entry point group vllm.general_plugins) and that the tracker imports: without it the worker reports its
+# observation unavailable ("not-built"), so an image without it is refused here rather than found out in a metric.
 set -eu
-wheels=$1
+src=$1
 python=${PYTHON:-python3}
 
-"$python" -m pip install --no-cache-dir --no-deps "$(ls "$wheels"/kv_exporter-*.whl)"
+"$python" -m pip install --no-cache-dir --no-deps "$src"
 "$python" - <<'PY'
 import sys
 from importlib.metadata import entry_points
 
 names = [ep.name for ep in entry_points(group="vllm.general_plugins")]
-sys.exit(0 if "kv_exporter" in names else f"install-plugin: kv_exporter not among vLLM plugins {names}")
+if "kv_exporter" not in names:
+    sys.exit(f"install-plugin: kv_exporter not among vLLM plugins {names}")
+try:
+    import kv_exporter.plugin.observe._tracker  # noqa: F401
+except ImportError as error:
+    sys.exit(
+        f"install-plugin: kv-exporter's cache tracker did not build ({error}): this image needs a C compiler and "
+        "its Python's headers (Debian/Ubuntu: gcc and python3-dev, or the python3.X-dev of its interpreter) "
+        "before this step"
+    )
 PY

@@ -132,7 +132,8 @@ def test_dockerignore_admits_what_copy_needs_and_nothing_heavy() -> None:
     for source, _ in copy_sources():
         assert (REPO / source).exists(), f"COPY source {source} missing"
         assert dockerignore_allows(source), f".dockerignore excludes COPY source {source}"
-    for heavy in (".venv", ".venv-vllm", "tests", ".git", "kv_exporter/__pycache__"):
+    built = "kv_exporter/plugin/observe/_tracker.cpython-311-x86_64-linux-gnu.so"  # this host's, not the image's
+    for heavy in (".venv", ".venv-vllm", "tests", ".git", "kv_exporter/__pycache__", built):
         assert not dockerignore_allows(heavy), f".dockerignore lets {heavy} into the build context"
 
 
@@ -146,18 +147,21 @@ def lay_out_build_context(stage: Stage, root: Path) -> Path:
         for source in sources:
             path = REPO / source
             if path.is_dir():
-                shutil.copytree(path, target_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+                shutil.copytree(
+                    path, target_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__", "*.so")
+                )
             else:
                 shutil.copy2(path, target_dir / path.name)
     return root / workdir.lstrip("/")
 
 
 def run_step(run_args: str, root: Path, replacements: dict[str, Path], env: dict[str, str]) -> None:
-    """A RUN line of the Dockerfile with its absolute paths moved under `root`; scripts from /usr/local/bin."""
+    """A RUN line of the Dockerfile with its absolute paths moved under `root`; scripts from /usr/local/bin. It runs
+    in `root`, so no Python it starts finds this checkout's package in its working directory."""
     argv = shlex.split(run_args.split("&&")[0])
     argv = [str(replacements.get(a, a)) for a in argv]
     script = root / "usr/local/bin" / argv[0]
-    run("sh", str(script), *argv[1:], env=env, timeout=600)
+    run("sh", str(script), *argv[1:], cwd=root, env=env, timeout=600)
 
 
 BUILT_REVISION = "0123456789abcdef0123456789abcdef01234567"  # what `--build-arg REVISION=...` passes
@@ -246,8 +250,10 @@ def test_healthcheck_against_the_installed_sidecar(installed: tuple[Path, Path],
 
 
 def test_plugin_install_step(installed: tuple[Path, Path], tmp_path: Path) -> None:
-    """The vllm-plugin stage's RUN into a fresh environment: vLLM's plugin loader would find kv_exporter."""
-    _, wheels = installed
+    """The vllm-plugin stage's RUN into a fresh environment, from the build stage's source as its COPY takes it:
+    vLLM's plugin loader would find kv_exporter, and the cache tracker is built for this interpreter."""
+    prefix, _ = installed
+    built_source = prefix.parents[1] / "src"  # the build stage's WORKDIR under the fixture's root
     venv = tmp_path / "vllm-image-python"
     run(sys.executable, "-m", "venv", str(venv))
     stage = STAGES["vllm-plugin"]
@@ -258,11 +264,12 @@ def test_plugin_install_step(installed: tuple[Path, Path], tmp_path: Path) -> No
             shutil.copy2(REPO / source, root / dest.lstrip("/") / Path(source).name)
     env = {**os.environ, "PYTHON": str(venv / "bin/python"), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     (run_line,) = stage.all("RUN")
-    run_step(run_line, root, {"/tmp/kv-exporter-wheels": wheels}, env)
+    run_step(run_line, root, {"/tmp/kv-exporter-src": built_source}, env)
     out = run(
         str(venv / "bin/python"),
         "-c",
-        "from importlib.metadata import entry_points;"
-        "print([e.value for e in entry_points(group='vllm.general_plugins') if e.name == 'kv_exporter'])",
+        "from importlib.metadata import entry_points; import kv_exporter.plugin.observe._tracker as t;"
+        "print([e.value for e in entry_points(group='vllm.general_plugins') if e.name == 'kv_exporter'], t.__file__)",
+        cwd=tmp_path,
     )
-    assert out.strip() == "['kv_exporter:register']"
+    assert out.startswith("['kv_exporter:register'] ") and str(venv) in out, out
