@@ -42,15 +42,11 @@ BENCHES = (
     Bench("concurrency", "bench_concurrency", ("--seconds", "9")),
     Bench("hook", "bench_hook", ("--repeats", "10")),  # the hook helper's; optional
     Bench("observe", "bench_observe", ("--repeats", "5", "--creations", "5000")),
-    # One server pausing and resuming its observation; then both arms alike, the resolution of that line.
-    Bench("decode", "bench_decode", ("--pairs", "4", "--most", "8"), engine=True, args=("--same-server",)),
-    Bench(
-        "decode_control",
-        "bench_decode",
-        ("--pairs", "4", "--most", "8"),
-        engine=True,
-        args=("--same-server", "--control"),
-    ),
+    # One server, adjacent steps with the observation's hooks on and off (the claim); then both arms alike, the
+    # resolution of that line; then blocks pausing and resuming the observation, end to end.
+    Bench("decode", "bench_decode", ("--waves", "10"), engine=True, args=("--per-step",)),
+    Bench("decode_control", "bench_decode", ("--waves", "10"), engine=True, args=("--per-step", "--control")),
+    Bench("decode_blocks", "bench_decode", ("--pairs", "4", "--most", "8"), engine=True, args=("--same-server",)),
     # Two servers, one with observation off from the start (nothing patched): what a fresh pair differs by is larger.
     Bench("decode_two_servers", "bench_decode", ("--pairs", "4", "--most", "8"), engine=True),
 )

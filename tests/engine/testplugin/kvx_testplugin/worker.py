@@ -10,12 +10,15 @@ only after the inner call, and a manifest written from inside it would miss it. 
 `--worker-cls kvx_testplugin.worker.KvxRequestsCPUWorker` serves observed.py's architecture: its runner hands each
 step's scheduled and finished request ids to `kvx_observed` before the step runs (a model's forward sees no request
 ids), and changes nothing else. Its `kvx_observation` pauses and resumes the observation in the worker, for
-bench_decode's same-server comparison (called through vLLM's dev-mode `/collective_rpc`).
+bench_decode's same-server comparison (called through vLLM's dev-mode `/collective_rpc`), and `kvx_step_arms` turns
+on its per-step comparison: each step runs with observation's hooks on or off at random, timed (`StepArms`).
 """
 
 from __future__ import annotations
 
+import random
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,6 +28,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from kv_exporter.observation import Observation
 from kv_exporter.plugin import observe
+from kv_exporter.plugin.observe import registry
 from kvx_testplugin.geometry import CAPTURE_SIZES
 from kvx_testplugin.model import LateOwner, record
 
@@ -61,13 +65,70 @@ class KvxCPUWorker(cpu_worker.CPUWorker):
         return result
 
 
+class StepArms:
+    """Steps in adjacent pairs, one with the observation's step-path hooks on and one off in random order, each
+    timed.
+
+    Off: the tracker's hooks report nowhere (`registry._Hooks` emptied) and every wrapped cache or layer method is
+    its original again, as a paused observation leaves them; on: as the hook installed them. The sampler thread
+    runs throughout (its cost is measured apart). Two adjacent steps share the machine's load of the moment, so a
+    pair's ratio leaves most of this shared machine's drift out; a switch happens before a step, outside its timing,
+    and costs both arms alike."""
+
+    HOOKS = ("track", "mark", "catch_up")
+
+    def __init__(self, installed: registry.Registry, control: bool = False) -> None:
+        self._control = control  # both arms on: what the arms differ by when nothing tells them apart
+        self._on = {name: getattr(registry._Hooks, name) for name in self.HOOKS}
+        self._methods = [
+            (klass, name, method, getattr(method, registry.PATCHED_MARK))
+            for klass in list(installed._wrapped)
+            for name, method in list(vars(klass).items())
+            if callable(getattr(method, registry.PATCHED_MARK, None))
+        ]
+        self._current: bool | None = None
+        self._pair = 0
+        self._second: bool | None = None  # the arm the pair's second step runs
+        # (pair, hooks on, sequences, a decode step: one token each, ns), in step order
+        self.times: list[tuple[int, bool, int, bool, int]] = []
+
+    def choose(self) -> tuple[int, bool]:
+        if self._second is None:
+            on = random.random() < 0.5
+            self._pair, self._second = self._pair + 1, not on
+        else:
+            on, self._second = self._second, None
+        if on is not self._current:
+            self.apply(on)
+        return self._pair, on
+
+    def apply(self, on: bool) -> None:
+        hooked = on or self._control
+        for name in self.HOOKS:
+            setattr(registry._Hooks, name, self._on[name] if hooked else None)
+        for klass, name, wrapped, original in self._methods:
+            setattr(klass, name, wrapped if hooked else original)
+        self._current = on
+
+
 class KvxRequestsCPUModelRunner(CPUModelRunner):
+    step_arms: StepArms | None = None
+
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        owners = getattr(self.model, "kvx_observed", None)
-        if owners is not None:
-            finished = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
-            owners.schedule(scheduler_output.num_scheduled_tokens, finished)
-        return super().execute_model(scheduler_output, *args, **kwargs)
+        arms = self.step_arms
+        pair, on = arms.choose() if arms is not None else (0, True)
+        started = time.perf_counter_ns()
+        try:
+            owners = getattr(self.model, "kvx_observed", None)
+            if owners is not None:
+                finished = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+                owners.schedule(scheduler_output.num_scheduled_tokens, finished)
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            if arms is not None:
+                scheduled = scheduler_output.num_scheduled_tokens
+                decode = bool(scheduled) and max(scheduled.values()) == 1
+                arms.times.append((pair, on, len(scheduled), decode, time.perf_counter_ns() - started))
 
 
 class KvxRequestsCPUWorker(cpu_worker.CPUWorker):
@@ -92,3 +153,20 @@ class KvxRequestsCPUWorker(cpu_worker.CPUWorker):
             observe.start(self._kvx_on_sample)
         sampler = observer.sampler
         return "running" if sampler is not None and sampler.running else "paused"
+
+    def kvx_step_arms(self, state: str) -> list[tuple[int, bool, int, bool, int]]:
+        """ "on": from the next step, steps in pairs with the hooks on and off (observation must be running);
+        "control": the same pairs, both on; "collect": the steps timed since the last call, as StepArms.times;
+        "off": the hooks on again for good, and the last steps timed."""
+        runner = self.model_runner
+        assert isinstance(runner, KvxRequestsCPUModelRunner)
+        arms = runner.step_arms
+        if state in ("on", "control") and arms is None:
+            runner.step_arms = arms = StepArms(observe._observer.registry, control=state == "control")
+        if arms is None:
+            return []
+        times, arms.times = arms.times, []
+        if state == "off":
+            runner.step_arms = None
+            arms.apply(True)
+        return times
