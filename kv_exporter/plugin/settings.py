@@ -29,6 +29,7 @@ COLLECTOR_AUTO = "auto"
 COLLECTOR_CHOICES = (COLLECTOR_AUTO, *COLLECTORS)
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,9 @@ class HookSettings:
     explicit_directory: bool  # KV_EXPORTER_DIR was set: no fallback
     collector: str  # "auto": vllm-omni's when available, else ours; or one of COLLECTORS
     observe_interval_s: float = DEFAULT_OBSERVE_INTERVAL_S  # 0: observation off
-    # Follow each owner's high-water mark between samples: a cost on every step (docs/benchmarks.md, section 9),
-    # so off unless asked for; off, the peak is the figure at the sample.
-    observe_peak: bool = False
+    # Follow each owner's high-water mark between samples (~0.5% of a decode step, docs/benchmarks.md section 9);
+    # off, only caches' creation is hooked on the step path and the peak is the figure at the sample.
+    observe_peak: bool = True
 
     @property
     def observing(self) -> bool:
@@ -61,7 +62,7 @@ class HookSettings:
             explicit_directory=bool(folder),
             collector=collector if collector in COLLECTOR_CHOICES else COLLECTOR_AUTO,
             observe_interval_s=observe_interval(env.get(ENV_OBSERVE_INTERVAL)),
-            observe_peak=env.get(ENV_OBSERVE_PEAK, "").strip().lower() in _TRUE,
+            observe_peak=env.get(ENV_OBSERVE_PEAK, "").strip().lower() not in _FALSE,
         )
 
 

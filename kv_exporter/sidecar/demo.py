@@ -72,7 +72,7 @@ class DemoEngine:
 
     def held(self, now: float) -> tuple[OwnerObservation, ...]:
         """What this engine's caches hold at `now`, per owner (its declared rows at the running count), and the most
-        they held since the sample before, as a worker following the peak (KV_EXPORTER_OBSERVE_PEAK=1) reports it:
+        they held since the sample before, as a worker following the peak (the default) reports it:
         the running count is a function of time, so its most over the interval is found at PEAK_STEP_S apart."""
         at_sample = self._held_at(self.running(now))
         steps = round(DEMO_OBSERVE_INTERVAL_S / PEAK_STEP_S)

@@ -190,7 +190,7 @@ def observed_families(observed: Observed) -> list[Metric]:
         "model_local_kv_observed_peak_bytes",
         "The most the owner's live transformers caches held at any instant between the engine's last two "
         "observations (caches a step makes and frees included), each storage counted once, summed over its workers; "
-        "only where the workers follow it (KV_EXPORTER_OBSERVE_PEAK=1).",
+        "absent where a worker does not follow it (KV_EXPORTER_OBSERVE_PEAK=0).",
         OWNER_LABELS,
     )
     caches = GaugeRows("model_local_kv_observed_caches", "Live cache objects the owner holds.", OWNER_LABELS)

@@ -280,7 +280,7 @@ def _observed_section(owners: Sequence[OwnerView]) -> str:
     note = (
         '<p class="note">observed: what the owner\'s live transformers caches hold at the last sample, each storage '
         "once; peak: the most they held at any instant since the sample before (caches a step makes and frees "
-        "included; not followed unless the workers run with KV_EXPORTER_OBSERVE_PEAK=1); unexplained: the peak "
+        "included; not followed where the workers run with KV_EXPORTER_OBSERVE_PEAK=0); unexplained: the peak "
         "(the observed figure where it is not followed) beyond the declared ceiling (all of it where nothing is "
         "declared); red where "
         f"an alert fires (beyond {UNEXPLAINED_ALERT_FRACTION:.0%} of the ceiling, shipped default, or undeclared), "

@@ -97,9 +97,8 @@ def run_load(server: Server) -> None:
 def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
     workdir = tmp_path_factory.mktemp("chain")
     model = build_model(tmp_path_factory.mktemp("chain-model"))
-    # The peak followed, so the dashboard's peak panel has its series too (off by default).
-    env = {"KV_EXPORTER_OBSERVE_PEAK": "1"}
-    server = start_server(workdir / "engine", model, env=env, args=["--shutdown-timeout", "10"])
+    # The peak is followed by default, so the dashboard's peak panel has its series too.
+    server = start_server(workdir / "engine", model, args=["--shutdown-timeout", "10"])
     sidecars: list[Sidecar] = []
     try:
         server.wait_ready()

@@ -154,7 +154,7 @@ def scenario(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     server = start_server(
         workdir / "engine",
         model,
-        env={"KV_EXPORTER_OBSERVE_INTERVAL": "1", "KV_EXPORTER_OBSERVE_PEAK": "1"},
+        env={"KV_EXPORTER_OBSERVE_INTERVAL": "1"},  # the peak followed: the default
         args=["--worker-cls", "kvx_testplugin.worker.KvxRequestsCPUWorker", "--shutdown-timeout", "10"],
         eager=eager,
     )

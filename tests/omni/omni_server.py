@@ -76,7 +76,6 @@ BASE_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_LOGGING_COLOR": "0",
     "KV_EXPORTER_OBSERVE_INTERVAL": str(OBSERVE_INTERVAL_S),
-    "KV_EXPORTER_OBSERVE_PEAK": "1",
 }
 
 _LOG_PREFIX = re.compile(r"^\((?P<proc>[^ ]+) pid=(?P<pid>\d+)\) (?P<text>.*)$")

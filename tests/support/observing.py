@@ -54,13 +54,14 @@ def _observing(peak: bool) -> Iterator[None]:
 
 @pytest.fixture
 def observer() -> Iterator[None]:
-    """Observation with the high-water mark followed (KV_EXPORTER_OBSERVE_PEAK=1)."""
+    """Observation as it runs by default: the high-water mark between samples followed."""
     yield from _observing(peak=True)
 
 
 @pytest.fixture
 def observer_at_sample() -> Iterator[None]:
-    """Observation as it runs by default: the peak is the sample's figure, nothing hooked on the step path."""
+    """Observation with the peak not followed (KV_EXPORTER_OBSERVE_PEAK=0): the peak is the sample's figure, only a
+    cache's creation hooked on the step path."""
     yield from _observing(peak=False)
 
 

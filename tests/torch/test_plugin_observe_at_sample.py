@@ -1,5 +1,5 @@
-"""Observation as it runs by default (KV_EXPORTER_OBSERVE_PEAK unset): the peak is not followed, so nothing but a
-cache's creation and release is hooked on the step path, the manifest says so, and attribution still cannot mask.
+"""Observation with the peak not followed (KV_EXPORTER_OBSERVE_PEAK=0): nothing but a cache's creation and release
+is hooked on the step path, the manifest says so, and attribution still cannot mask.
 
 The same tiny real models as the peak tests (`test_plugin_observe_peak`), so the two modes answer the same cases.
 """

@@ -216,7 +216,7 @@ def peak_series(snap: Snapshot) -> dict[str, float]:
 
 def test_no_peak_is_claimed_unless_every_worker_follows_it() -> None:
     followed = dataclasses.replace(observation(running=2), peaks_followed=True)
-    at_sample = observation(running=2)  # KV_EXPORTER_OBSERVE_PEAK unset: the peak is the sample's figure
+    at_sample = observation(running=2)  # KV_EXPORTER_OBSERVE_PEAK=0: the peak is the sample's figure
     assert peak_series(snapshot([manifest(followed)], [page(2)])) == {
         "truthful": 2 * ROW,
         "under": 2 * ROW,
