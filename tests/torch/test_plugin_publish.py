@@ -278,6 +278,10 @@ def test_settings_from_the_environment() -> None:
     assert not HookSettings.from_environ({"KV_EXPORTER_DISABLE": "0"}).disabled
     assert HookSettings.from_environ({"KV_EXPORTER_COLLECTOR": "kv_exporter"}).collector == "kv_exporter"
     assert HookSettings.from_environ({"KV_EXPORTER_COLLECTOR": "bogus"}).collector == "auto"
+    assert HookSettings.from_environ({}).observe_peak  # followed unless turned off
+    for off in ("0", "false", " OFF ", "no"):
+        assert not HookSettings.from_environ({"KV_EXPORTER_OBSERVE_PEAK": off}).observe_peak, off
+    assert HookSettings.from_environ({"KV_EXPORTER_OBSERVE_PEAK": "1"}).observe_peak
 
 
 class LibraryNotFound:
