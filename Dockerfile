@@ -16,7 +16,7 @@ FROM ${PYTHON_IMAGE} AS build
 # no git checkout to read it from).
 ARG REVISION=unknown
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY kv_exporter/ kv_exporter/
 COPY deploy/docker/install-sidecar.sh /usr/local/bin/
 RUN install-sidecar.sh /src /opt/kv-exporter /wheels

@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml requirements-dev.txt requirements-unit.txt
 	$(PY) -m pip install -q -e '.[nvml,web]' -r requirements-dev.txt
 	touch $(STAMP)
 
-$(TRACKER_STAMP): $(STAMP) $(TRACKER_SOURCE)
+$(TRACKER_STAMP): $(STAMP) $(TRACKER_SOURCE) setup.py
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -c 'import kv_exporter.plugin.observe._tracker' || \
 		{ echo "the cache tracker did not build: a C compiler and Python's headers are needed" >&2; exit 1; }
