@@ -28,8 +28,9 @@ GPU_LABELS = ("gpu", "UUID", "source")
 
 SAFE_MAX_NUM_SEQS_HELP = (
     "Largest max_num_seqs M (the same for every engine on this GPU) with NVML used + sum over its "
-    "live max_num_seqs-driven declarations of bytes_per_row * max(0, M - estimated rows) <= total. "
-    "Assumes NVML used already holds the estimated and fixed rows and nothing else on the GPU grows."
+    "live max_num_seqs-driven declarations of bytes_per_row * max(0, M - rows held) <= total, rows held being "
+    "the estimated rows and those an owner already holds beyond them. Assumes NVML used already holds the held "
+    "and fixed rows and nothing else on the GPU grows."
 )
 
 
@@ -149,13 +150,21 @@ def gpu_families(gpus: Sequence[GpuView]) -> list[Metric]:
     )
     peak = GaugeRows(
         "model_local_kv_gpu_projected_peak_bytes",
-        "NVML used + sum over this GPU's live declarations of (ceiling - estimate) + the unexplained growth.",
+        "NVML used + sum over this GPU's live declarations of (ceiling - estimate) - the declared memory already "
+        "resident + the unexplained growth.",
         GPU_LABELS,
     )
     growth = GaugeRows(
         "model_local_kv_gpu_unexplained_growth_bytes",
         "The part of the projected peak that observation adds: bytes no declaration explains, per running "
         "sequence, times the sequences still to come (0 while every owner holds at most what it declares).",
+        GPU_LABELS,
+    )
+    resident = GaugeRows(
+        "model_local_kv_gpu_resident_bytes",
+        "Declared memory the GPU's owners already hold beyond their running estimates (observed at the sample, "
+        "at most each owner's ceiling - estimate): in NVML's used already, so the projected peak does not add it "
+        "again.",
         GPU_LABELS,
     )
     headroom = GaugeRows(
@@ -173,10 +182,11 @@ def gpu_families(gpus: Sequence[GpuView]) -> list[Metric]:
             process.add_metric((*labels, str(pid)), value)
         peak.add_metric(labels, view.projected_peak)
         growth.add_metric(labels, view.unexplained_growth)
+        resident.add_metric(labels, view.resident)
         headroom.add_metric(labels, view.headroom)
         if view.safe_max_num_seqs is not None:
             safe.add_metric(labels, view.safe_max_num_seqs)
-    return [total, used, free, process, peak, growth, headroom, safe]
+    return [total, used, free, process, peak, growth, resident, headroom, safe]
 
 
 def observed_families(observed: Observed) -> list[Metric]:

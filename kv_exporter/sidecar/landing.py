@@ -176,7 +176,8 @@ def _gpu_section(snapshot: Snapshot) -> str:
     table = _table("gpus", headers, (_gpu_row(v) for v in snapshot.gpus)) if snapshot.gpus else ""
     note = (
         '<p class="note">projected peak = used + the sum over the GPU\'s live declarations of (ceiling - '
-        "estimate) + the growth of bytes no declaration explains; headroom = total - projected peak. Colours as "
+        "estimate) - what their owners already hold beyond the estimate (in used already) + the growth of bytes "
+        "no declaration explains; headroom = total - projected peak. Colours as "
         "the shipped alerts judge it: red, projected "
         f"peak above total; amber, headroom below {HEADROOM_ALERT_FRACTION:.0%} of total (shipped default).</p>"
     )

@@ -85,6 +85,7 @@ class OwnerView:
     peak_bytes: int  # the most since the sample before (>= observed_bytes); the sample's figure where not followed
     peak_followed: bool  # every worker followed the high-water mark between samples (KV_EXPORTER_OBSERVE_PEAK)
     ceiling_bytes: int  # its declarations' ceiling at max_num_seqs, over the same workers; 0 if it declares none
+    estimate_bytes: int  # its declarations at the running count (0 rows where unreadable), as the projection takes
     declares: bool
     running: int | None  # the engine's running count, capped at max_num_seqs (None: unreadable)
     max_num_seqs: int
@@ -92,6 +93,18 @@ class OwnerView:
     @property
     def unexplained_bytes(self) -> int:
         return max(0, self.peak_bytes - self.ceiling_bytes)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Declared memory the owner already holds beyond its running estimate, at most its declarations' growth.
+
+        NVML's used figure already holds it (what the caches hold at the sample), so the projected peak, which adds
+        each declaration's ceiling - estimate to used, must not add it again: a pool allocated in full at load
+        would otherwise count twice. Only the sample's figure, not the peak: memory a step made and freed may have
+        gone back to the driver."""
+        if not self.declares:
+            return 0
+        return max(0, min(self.observed_bytes, self.ceiling_bytes) - self.estimate_bytes)
 
     @property
     def unexplained_per_sequence(self) -> int:
@@ -177,6 +190,7 @@ class _Tally:
     peak: int = 0
     peak_followed: bool = True
     ceiling: int = 0
+    estimate: int = 0
     declares: bool = False
 
 
@@ -186,6 +200,8 @@ def _owner_views(
     tallies: dict[_OwnerKey, _Tally] = {}
     for m in manifests:
         base = (engine_key(m), placement(m, gpu), m.pod)
+        known = running.get(base[0])
+        sequences = min(known[0], m.max_num_seqs) if known else 0  # as snapshot.declaration_views counts rows
         assert m.observation is not None  # usable ones have one
         followed = m.observation.peaks_followed
         for held in m.observation.owners:
@@ -197,6 +213,7 @@ def _owner_views(
         for d in m.declarations:
             tally = tallies.setdefault((*base, d.owner), _Tally(m.max_num_seqs))
             tally.ceiling += d.peak_bytes(m.max_num_seqs)
+            tally.estimate += d.bytes_per_row * d.rows_at(sequences)
             tally.declares = True
             tally.peak_followed = tally.peak_followed and followed
     views = []
@@ -213,6 +230,7 @@ def _owner_views(
                 peak_bytes=tally.peak,
                 peak_followed=tally.peak_followed,
                 ceiling_bytes=tally.ceiling,
+                estimate_bytes=tally.estimate,
                 declares=tally.declares,
                 running=min(known[0], tally.max_num_seqs) if known else None,
                 max_num_seqs=tally.max_num_seqs,

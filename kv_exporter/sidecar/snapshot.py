@@ -82,6 +82,7 @@ class GpuView:
     processes: dict[int, int]  # matched manifest pid -> NVML used bytes
     declarations: int
     unexplained_growth: int  # the part of the projected peak that observation adds to the declarations' growth
+    resident: int  # declared memory already held beyond the estimates: in used, so not added again
 
     @property
     def headroom(self) -> int:
@@ -178,12 +179,21 @@ def engine_views(
 def safe_max_num_seqs(
     device: GpuMemory, views: Sequence[DeclarationView], owners: Sequence[OwnerView] = ()
 ) -> int | None:
-    """Largest M with used + sum(bytes_per_row * max(0, M - estimated rows)) <= total, over this GPU's
+    """Largest M with used + sum(bytes_per_row * max(0, M - rows held)) <= total, over this GPU's
     max_num_seqs-driven declarations and the owners whose unexplained bytes grow with running sequences (every
-    engine on the GPU at the same M); None when there are none."""
-    scaling = [
-        (v.estimate_rows, v.declaration.bytes_per_row) for v in views if v.declaration.rows.scales_with_max_num_seqs
-    ] + [(o.running or 0, o.unexplained_per_sequence) for o in owners if o.unexplained_per_sequence]
+    engine on the GPU at the same M); None when there are none. Rows held: the estimated rows, and the rows an owner
+    already holds beyond them (its resident bytes, whole rows, given to its declarations in page order)."""
+    resident = {(o.key, o.placement, o.pod, o.owner): o.resident_bytes for o in owners if o.resident_bytes}
+    scaling = [(o.running or 0, o.unexplained_per_sequence) for o in owners if o.unexplained_per_sequence]
+    for v in views:
+        if not v.declaration.rows.scales_with_max_num_seqs:
+            continue
+        per_row, placed = v.declaration.bytes_per_row, v.placed
+        owner = (placed.engine, placed.placement, placed.pod, v.declaration.owner)
+        held = min(resident.get(owner, 0) // per_row if per_row else 0, placed.ceiling_rows - v.estimate_rows)
+        if held > 0:
+            resident[owner] -= held * per_row
+        scaling.append((v.estimate_rows + max(0, held), per_row))
     if not any(per_row for _, per_row in scaling):  # nothing grows
         return None
     free = device.total - device.used
@@ -214,15 +224,18 @@ def gpu_views(
         pids = set(_on(pids_at, device))
         listed = gpu.processes.get(device.index, {})
         unexplained_growth = sum(o.unexplained_growth_bytes for o in held)
+        resident = sum(o.resident_bytes for o in held)
+        growth = sum(v.headroom_needed for v in mine) - resident
         result.append(
             GpuView(
                 memory=device,
                 source=gpu.source or "",
-                projected_peak=device.used + sum(v.headroom_needed for v in mine) + unexplained_growth,
+                projected_peak=device.used + growth + unexplained_growth,
                 safe_max_num_seqs=safe_max_num_seqs(device, mine, held),
                 processes={pid: listed[pid] for pid in sorted(pids) if pid in listed},
                 declarations=len(mine),
                 unexplained_growth=unexplained_growth,
+                resident=resident,
             )
         )
     return result

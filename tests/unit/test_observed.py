@@ -143,6 +143,47 @@ def test_the_projection_stops_trusting_a_declaration_known_to_be_low() -> None:
     assert gpu.safe_max_num_seqs < blind.safe_max_num_seqs
 
 
+def pool_manifest(held_rows: int) -> Manifest:
+    """One owner declaring max_num_seqs rows (VibeVoice's negative pool, scope model) and holding `held_rows`."""
+    pool = Declaration.from_spec("pool", spec("negative", RowDriver.MAX_NUM_SEQS))
+    held = (OwnerObservation("pool", held_rows * ROW, 1),)
+    obs = Observation(ObservationState.OK, "", 10.0, NOW - 1, 0.001, held)
+    return dataclasses.replace(manifest(obs), declarations=(pool,))
+
+
+def test_a_pool_held_in_full_is_not_projected_twice() -> None:
+    """Allocated at load, the pool is in NVML's used already: its declaration's ceiling - estimate is not added."""
+    used = 60 * GIB
+    for running in (0, 3, MAX_NUM_SEQS):
+        gpu = snapshot([pool_manifest(MAX_NUM_SEQS)], [page(running)], used).gpus[0]
+        assert gpu.resident == (MAX_NUM_SEQS - running) * ROW
+        assert gpu.projected_peak == used, running
+        # Raising max_num_seqs needs rows beyond those held, whatever runs now.
+        free_rows = (80 * GIB - used) // ROW
+        assert gpu.safe_max_num_seqs == MAX_NUM_SEQS + free_rows, running
+        assert gpu.unexplained_growth == 0
+    # Holding nothing, or only what the running count explains, takes nothing off: the declared growth is to come.
+    for held_rows, running in ((0, 3), (3, 3), (2, 3)):
+        gpu = snapshot([pool_manifest(held_rows)], [page(running)], used).gpus[0]
+        assert (gpu.resident, gpu.projected_peak) == (0, used + (MAX_NUM_SEQS - running) * ROW), (held_rows, running)
+    # Half-way: only what is held beyond the estimate is already in used.
+    gpu = snapshot([pool_manifest(5)], [page(3)], used).gpus[0]
+    assert (gpu.resident, gpu.projected_peak) == (2 * ROW, used + 3 * ROW)
+    assert gpu.safe_max_num_seqs == 5 + (80 * GIB - used) // ROW
+
+
+def test_what_is_held_beyond_the_ceiling_is_growth_not_credit() -> None:
+    """Holding more than declared: the declared growth is all in used (credit up to ceiling - estimate, no more),
+    and the excess is unexplained, extrapolated as before."""
+    used = 60 * GIB
+    gpu = snapshot([pool_manifest(MAX_NUM_SEQS + 4)], [page(4)], used).gpus[0]
+    assert gpu.resident == (MAX_NUM_SEQS - 4) * ROW
+    assert gpu.unexplained_growth == math.ceil(4 * ROW / 4) * (MAX_NUM_SEQS - 4)
+    assert gpu.projected_peak == used + gpu.unexplained_growth
+    # An undeclared owner gets no credit: nothing was added for it to take back.
+    assert snapshot([manifest(observation(running=5))], [page(5)]).gpus[0].resident == 0
+
+
 def test_nothing_is_extrapolated_while_nothing_runs_or_the_engine_cannot_be_read() -> None:
     idle = snapshot([manifest(observation(running=0))], [page(0)]).gpus[0]
     unreadable = snapshot([manifest(observation(running=0))], []).gpus[0]
