@@ -25,7 +25,15 @@ from enum import Enum
 from kv_exporter.manifest import Manifest, PodInfo
 from kv_exporter.observation import ObservationState
 from kv_exporter.sidecar.engine_page import EngineKey
-from kv_exporter.sidecar.records import GpuResult, ManifestEntry, Placement, engine_key, first_rank, placement
+from kv_exporter.sidecar.records import (
+    GpuResult,
+    ManifestEntry,
+    Placement,
+    capped_running,
+    engine_key,
+    first_rank,
+    placement,
+)
 
 STALE_AFTER_INTERVALS = 3
 STALE_GRACE_S = 10.0
@@ -200,8 +208,7 @@ def _owner_views(
     tallies: dict[_OwnerKey, _Tally] = {}
     for m in manifests:
         base = (engine_key(m), placement(m, gpu), m.pod)
-        known = running.get(base[0])
-        sequences = min(known[0], m.max_num_seqs) if known else 0  # as snapshot.declaration_views counts rows
+        sequences = capped_running(running.get(base[0]), m.max_num_seqs) or 0  # none where unreadable
         assert m.observation is not None  # usable ones have one
         followed = m.observation.peaks_followed
         for held in m.observation.owners:
@@ -232,7 +239,7 @@ def _owner_views(
                 ceiling_bytes=tally.ceiling,
                 estimate_bytes=tally.estimate,
                 declares=tally.declares,
-                running=min(known[0], tally.max_num_seqs) if known else None,
+                running=capped_running(known, tally.max_num_seqs),
                 max_num_seqs=tally.max_num_seqs,
             )
         )

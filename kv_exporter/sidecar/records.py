@@ -104,6 +104,12 @@ def placement(manifest: Manifest, gpu: GpuResult) -> Placement:
     return recorded_placement(manifest)
 
 
+def capped_running(known: tuple[int, str] | None, max_num_seqs: int) -> int | None:
+    """An engine's running count (as `snapshot.running_counts` gives it, with its page) as rows are counted:
+    never past max_num_seqs, the ceiling's row count; None where no page gives it."""
+    return min(known[0], max_num_seqs) if known else None
+
+
 def engine_key(manifest: Manifest) -> EngineKey:
     e = manifest.engine
     return EngineKey(e.model_name, e.stage, e.engine_index)

@@ -25,6 +25,7 @@ from kv_exporter.sidecar.records import (
     ManifestEntry,
     PageResult,
     Placement,
+    capped_running,
     device_keys,
     engine_key,
     first_rank,
@@ -139,7 +140,7 @@ def declaration_views(declared: Declared, running: RunningCounts) -> list[Declar
     for placed in declared.ordered:
         known = running.get(placed.engine)
         # Engine unreadable: MAX_NUM_SEQS rows fall back to 0, so the projected peak stays an upper bound.
-        rows = placed.declaration.rows_at(min(known[0], placed.max_num_seqs) if known else 0)
+        rows = placed.declaration.rows_at(capped_running(known, placed.max_num_seqs) or 0)
         views.append(DeclarationView(placed, known[0] if known else None, rows))
     return views
 

@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -132,7 +133,8 @@ def test_dockerignore_admits_what_copy_needs_and_nothing_heavy() -> None:
     for source, _ in copy_sources():
         assert (REPO / source).exists(), f"COPY source {source} missing"
         assert dockerignore_allows(source), f".dockerignore excludes COPY source {source}"
-    built = "kv_exporter/plugin/observe/_tracker.cpython-311-x86_64-linux-gnu.so"  # this host's, not the image's
+    # the tracker this host built in place, not the image's
+    built = "kv_exporter/plugin/observe/_tracker" + sysconfig.get_config_var("EXT_SUFFIX")
     for heavy in (".venv", ".venv-vllm", "tests", ".git", "kv_exporter/__pycache__", built):
         assert not dockerignore_allows(heavy), f".dockerignore lets {heavy} into the build context"
 

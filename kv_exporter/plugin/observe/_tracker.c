@@ -41,22 +41,29 @@ typedef struct {
     int64_t nbytes;
 } Storage;
 
+/* A growable array (`items`, `cap` slots, `len` used) with room for one more: the same or a moved block, `cap`
+ * updated; NULL with MemoryError set (the old block is kept). */
+static void *room_for_one(void *items, Py_ssize_t len, Py_ssize_t *cap, size_t item_size) {
+    if (len < *cap)
+        return items;
+    Py_ssize_t grown = *cap ? *cap * 2 : 16;
+    void *moved = PyMem_Realloc(items, (size_t)grown * item_size);
+    if (moved == NULL)
+        return PyErr_NoMemory();
+    *cap = grown;
+    return moved;
+}
+
 typedef struct {
     Storage *items;
     Py_ssize_t len, cap;
 } Storages;
 
 static int storages_push(Storages *s, uintptr_t ptr, int64_t nbytes) {
-    if (s->len == s->cap) {
-        Py_ssize_t cap = s->cap ? s->cap * 2 : 8;
-        Storage *items = PyMem_Realloc(s->items, (size_t)cap * sizeof(Storage));
-        if (items == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        s->items = items;
-        s->cap = cap;
-    }
+    Storage *items = room_for_one(s->items, s->len, &s->cap, sizeof(Storage));
+    if (items == NULL)
+        return -1;
+    s->items = items;
     s->items[s->len].ptr = ptr;
     s->items[s->len].nbytes = nbytes;
     s->len++;
@@ -285,16 +292,10 @@ typedef struct {
 } EntryList; /* strong references */
 
 static int entrylist_push(EntryList *l, Entry *e) {
-    if (l->len == l->cap) {
-        Py_ssize_t cap = l->cap ? l->cap * 2 : 16;
-        Entry **items = PyMem_Realloc(l->items, (size_t)cap * sizeof(Entry *));
-        if (items == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        l->items = items;
-        l->cap = cap;
-    }
+    Entry **items = room_for_one(l->items, l->len, &l->cap, sizeof(Entry *));
+    if (items == NULL)
+        return -1;
+    l->items = items;
     Py_INCREF(e);
     l->items[l->len++] = e;
     return 0;
@@ -314,6 +315,11 @@ static void entrylist_release(EntryList *l) {
     PyMem_Free(taken.items);
 }
 
+/* One owner's storage: what its caches hold now, and the most since the last sample. */
+typedef struct {
+    int64_t current, peak;
+} Tally;
+
 typedef struct {
     PyObject_HEAD
     PyObject *delegate;       /* the registry: owner_of_shared, modules_on_stack, charge, class_seen, failed, settle */
@@ -329,7 +335,7 @@ typedef struct {
     EntryList marked;         /* caches that may hold more than when last read */
     EntryList deferred;       /* releases that arrived while this thread was in the accounts */
     Table held;
-    int64_t *current, *peak;  /* per tally */
+    Tally *totals;            /* per owner, by tally index */
     Py_ssize_t tallies, tallies_cap;
     PyObject *tally_names;    /* list: tally -> owner */
     PyObject *tally_index;    /* dict: owner -> tally */
@@ -384,6 +390,21 @@ static int mark(Tracker *t, Entry *e) {
 }
 
 /* -- reading what a cache holds ---------------------------------------------------------------------------------- */
+
+/* Where updates are followed, a cache or layer class first met (defined after the install) is handed to the
+ * delegate, which wraps its methods; -1 on error (left set). */
+static int see_class(Tracker *t, PyTypeObject *type) {
+    if (!t->follows_peaks)
+        return 0;
+    int known = PySet_Contains(t->known_classes, (PyObject *)type);
+    if (known != 0)
+        return known < 0 ? -1 : 0;
+    PyObject *seen = PyObject_CallMethodOneArg(t->delegate, s_class_seen, (PyObject *)type);
+    if (seen == NULL)
+        return -1;
+    Py_DECREF(seen);
+    return 0;
+}
 
 static int no_storage_error(void) {
     /* what a K/V slot that holds no plain tensor raises: None, a sparse or nested tensor, a wrapper subclass */
@@ -464,14 +485,8 @@ static int read_cache(Tracker *t, PyObject *state, Storages *out) {
     Py_INCREF(layers);
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(layers); i++) { /* re-read: Python code may run in between */
         PyObject *layer = Py_NewRef(PyList_GET_ITEM(layers, i));
-        if (t->follows_peaks) {
-            int known = PySet_Contains(t->known_classes, (PyObject *)Py_TYPE(layer));
-            PyObject *seen = known == 0 ? PyObject_CallMethodOneArg(t->delegate, s_class_seen, (PyObject *)Py_TYPE(layer))
-                                        : Py_NewRef(Py_None);
-            if (known < 0 || seen == NULL)
-                report(t, "peak");
-            Py_XDECREF(seen);
-        }
+        if (see_class(t, Py_TYPE(layer)) < 0)
+            report(t, "peak");
         if (read_slot(layer, s_keys, out) < 0 || read_slot(layer, s_values, out) < 0) {
             if (PyErr_ExceptionMatches(PyExc_MemoryError)) {
                 Py_DECREF(layer);
@@ -495,29 +510,17 @@ static Py_ssize_t tally_of(Tracker *t, PyObject *owner) {
         return PyLong_AsSsize_t(index);
     if (PyErr_Occurred())
         return -1;
-    if (t->tallies == t->tallies_cap) {
-        Py_ssize_t cap = t->tallies_cap ? t->tallies_cap * 2 : 16;
-        int64_t *current = PyMem_Realloc(t->current, (size_t)cap * sizeof(int64_t));
-        if (current == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        t->current = current;
-        int64_t *peak = PyMem_Realloc(t->peak, (size_t)cap * sizeof(int64_t));
-        if (peak == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        t->peak = peak;
-        t->tallies_cap = cap;
-    }
+    Tally *totals = room_for_one(t->totals, t->tallies, &t->tallies_cap, sizeof(Tally));
+    if (totals == NULL)
+        return -1;
+    t->totals = totals;
     PyObject *number = PyLong_FromSsize_t(t->tallies);
     if (number == NULL || PyDict_SetItem(t->tally_index, owner, number) < 0 || PyList_Append(t->tally_names, owner) < 0) {
         Py_XDECREF(number);
         return -1;
     }
     Py_DECREF(number);
-    t->current[t->tallies] = t->peak[t->tallies] = 0;
+    t->totals[t->tallies].current = t->totals[t->tallies].peak = 0;
     return t->tallies++;
 }
 
@@ -549,7 +552,7 @@ static void give_up(Tracker *t, uintptr_t ptr) {
     if (slot == NULL)
         return;
     if (--slot->holders <= 0) {
-        t->current[slot->tally] -= slot->nbytes;
+        t->totals[slot->tally].current -= slot->nbytes;
         table_remove(&t->held, slot);
     }
 }
@@ -609,7 +612,7 @@ static int catch_up_held(Tracker *t) {
             held->nbytes = read->items[k].nbytes;
             held->holders = 1;
             held->tally = tally;
-            t->current[tally] += read->items[k].nbytes;
+            t->totals[tally].current += read->items[k].nbytes;
         }
         if (result < 0)
             break;
@@ -619,8 +622,8 @@ static int catch_up_held(Tracker *t) {
         read->len = read->cap = 0;
     }
     for (Py_ssize_t k = 0; k < t->tallies; k++)
-        if (t->current[k] > t->peak[k])
-            t->peak[k] = t->current[k];
+        if (t->totals[k].current > t->totals[k].peak)
+            t->totals[k].peak = t->totals[k].current;
     for (Py_ssize_t i = 0; i < marked.len; i++) {
         Entry *e = marked.items[i];
         if (i >= settled) { /* a failure left it half read: read again at the next catch-up */
@@ -673,6 +676,15 @@ static void settle_deferred(Tracker *t) {
     }
 }
 
+/* Releases what arrived meanwhile and leaves the accounts; an exception pending on entry is kept for the caller. */
+static void settle_and_leave(Tracker *t) {
+    PyObject *error_type, *error, *traceback;
+    PyErr_Fetch(&error_type, &error, &traceback);
+    settle_deferred(t);
+    leave(t);
+    PyErr_Restore(error_type, error, traceback);
+}
+
 /* -- Python-facing methods ----------------------------------------------------------------------------------------- */
 
 /* The weak-reference callback of every entry: never raises. */
@@ -688,8 +700,7 @@ static PyObject *tracker_released(Tracker *t, PyObject *ref) {
                 report(t, "peak");
         } else {
             release_held(t, e);
-            settle_deferred(t);
-            leave(t);
+            settle_and_leave(t);
         }
     }
     Py_DECREF(e);
@@ -770,17 +781,8 @@ PyDoc_STRVAR(track_doc, "track(cache)\n--\n\nTrack a cache just made: called fro
                         "weakly referenced.");
 
 static PyObject *tracker_track(Tracker *t, PyObject *cache) {
-    if (t->follows_peaks) {
-        int known = PySet_Contains(t->known_classes, (PyObject *)Py_TYPE(cache));
-        if (known < 0)
-            return NULL;
-        if (!known) {
-            PyObject *seen = PyObject_CallMethodOneArg(t->delegate, s_class_seen, (PyObject *)Py_TYPE(cache));
-            if (seen == NULL)
-                return NULL;
-            Py_DECREF(seen);
-        }
-    }
+    if (see_class(t, Py_TYPE(cache)) < 0)
+        return NULL;
     Entry *e = new_entry(t, cache);
     if (e == NULL)
         return NULL;
@@ -837,8 +839,7 @@ static PyObject *tracker_catch_up(Tracker *t, PyObject *Py_UNUSED(ignored)) {
         Py_RETURN_NONE;
     if (catch_up_held(t) < 0)
         report(t, "peak");
-    settle_deferred(t);
-    leave(t);
+    settle_and_leave(t);
     if (PyErr_Occurred())
         report(t, "peak");
     Py_RETURN_NONE;
@@ -855,8 +856,8 @@ static PyObject *tracker_take_peaks(Tracker *t, PyObject *Py_UNUSED(ignored)) {
     PyObject *peaks = NULL;
     if (catch_up_held(t) == 0 && (peaks = PyDict_New()) != NULL) {
         for (Py_ssize_t k = 0; k < t->tallies; k++) {
-            if (t->peak[k] > 0) {
-                PyObject *value = PyLong_FromLongLong(t->peak[k]);
+            if (t->totals[k].peak > 0) {
+                PyObject *value = PyLong_FromLongLong(t->totals[k].peak);
                 if (value == NULL || PyDict_SetItem(peaks, PyList_GET_ITEM(t->tally_names, k), value) < 0) {
                     Py_XDECREF(value);
                     Py_CLEAR(peaks);
@@ -864,14 +865,10 @@ static PyObject *tracker_take_peaks(Tracker *t, PyObject *Py_UNUSED(ignored)) {
                 }
                 Py_DECREF(value);
             }
-            t->peak[k] = t->current[k];
+            t->totals[k].peak = t->totals[k].current;
         }
     }
-    PyObject *error_type, *error, *traceback;
-    PyErr_Fetch(&error_type, &error, &traceback);
-    settle_deferred(t);
-    leave(t);
-    PyErr_Restore(error_type, error, traceback);
+    settle_and_leave(t);
     return peaks;
 }
 
@@ -898,11 +895,7 @@ static PyObject *tracker_rebuild(Tracker *t, PyObject *Py_UNUSED(ignored)) {
     }
     if (!failed)
         failed = catch_up_held(t) < 0;
-    PyObject *error_type, *error, *traceback;
-    PyErr_Fetch(&error_type, &error, &traceback);
-    settle_deferred(t);
-    leave(t);
-    PyErr_Restore(error_type, error, traceback);
+    settle_and_leave(t);
     if (failed)
         return NULL;
     Py_RETURN_NONE;
@@ -1039,8 +1032,7 @@ static void tracker_dealloc(Tracker *t) {
     PyObject_GC_UnTrack(t);
     tracker_clear(t);
     table_clear(&t->held);
-    PyMem_Free(t->current);
-    PyMem_Free(t->peak);
+    PyMem_Free(t->totals);
     if (t->lock != NULL)
         PyThread_free_lock(t->lock);
     Py_TYPE(t)->tp_free((PyObject *)t);

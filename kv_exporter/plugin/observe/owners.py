@@ -66,10 +66,9 @@ class Site:
     """Code several of the model's modules run (an inherited method): which one made a cache is told by the frame's
     `self`."""
 
-    __slots__ = ("code", "self_name")
+    __slots__ = ("self_name",)
 
     def __init__(self, code: CodeType) -> None:
-        self.code = code  # kept alive: the sites are keyed by its id
         self.self_name = code.co_varnames[0]  # the name of its first parameter
 
 
@@ -93,7 +92,6 @@ class ModelMap:
             self._paths[id(module)] = path
             by_class.setdefault(type(module), []).append(path)
         self._attributions = {path: self._attribution(path) for path in self._paths.values()}
-        self._codes: list[CodeType] = []  # every code `sites` names by id, kept alive as long as the map
         # id(code) -> the attribution of the one module running it, or a Site where several share it (the tracker's
         # frame walk looks each frame's code up here and stops at the first it finds).
         self.sites: dict[int, Attribution | Site] = self._build_sites(by_class, module_type)
@@ -112,7 +110,7 @@ class ModelMap:
             for code in {id(code): code for code in _method_codes(cls, module_type)}.values():
                 codes[id(code)] = code
                 paths_by_code.setdefault(id(code), []).extend(paths)
-        self._codes = list(codes.values())
+        self._codes = list(codes.values())  # kept alive as long as the map: `sites` names them by id
         return {
             key: self._attributions[paths[0]] if len(paths) == 1 else Site(codes[key])
             for key, paths in paths_by_code.items()

@@ -51,12 +51,16 @@ class Registry:
         self.model: ModelMap | None = None
         self.installed_on: type | None = None
         self.unavailable = ""  # why the figures cannot be complete in this process ("" while they can)
-        self.follows_peaks = False  # set by `install`
         self._stack_modules: StackModules | None = None
         self._wrapped: set[type] = set()  # cache and layer classes seen (and their methods wrapped, where followed)
         self._growing: tuple[type, ...] = ()  # the cache module's GROWING_LAYERS
         self._layer_base: type | None = None
         self.tracker = None if Tracker is None else Tracker(self, UNATTRIBUTED_OWNER, self._wrapped, _COPYING)
+
+    @property
+    def follows_peaks(self) -> bool:
+        """Whether the high-water mark is followed (set by `install`, kept by the tracker)."""
+        return self.tracker is not None and self.tracker.follows_peaks
 
     def entries(self) -> list[Entry]:
         """A snapshot of the live entries, in creation order."""
@@ -175,7 +179,7 @@ class Registry:
         own_new = cache_base.__dict__.get("__new__")
         if not hasattr(getattr(own_new, "__func__", own_new), PATCHED_MARK):
             cache_base.__new__ = staticmethod(_tracking_new(cache_base, own_new))  # type: ignore[method-assign]
-        self.follows_peaks = tracker.follows_peaks = follow_peaks
+        tracker.follows_peaks = follow_peaks
         _Hooks.registry = self
         _Hooks.track = tracker.track
         _Hooks.mark = tracker.mark if follow_peaks else None
