@@ -80,7 +80,9 @@ fuzz: $(STAMP)
 	bash scripts/fuzz.sh
 
 # On a CUDA machine, under its own python3 (no environment is built: such machines have no package index).
+# Under the machine's own python3 (its CUDA torch): the tracker is built in place for it first.
 gpu-proof:
+	$(PYTHON) setup.py -q build_ext --inplace
 	$(PYTHON) -m scripts.gpu_proof
 
 clean:

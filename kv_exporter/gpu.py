@@ -63,6 +63,9 @@ NVML_ERROR_REASONS = (
     "vgpu_ecc_not_supported",
 )
 
+# What NVML answers a version 2 memory call where the driver has none (then version 1 is asked).
+_NO_MEMORY_V2 = frozenset({"function_not_found", "not_supported", "argument_version_mismatch"})
+
 # Error codes meaning the library or driver as a whole is unusable (as opposed to one device failing).
 _WHOLE_LIBRARY_REASONS = frozenset(
     {"library_not_found", "driver_not_loaded", "uninitialized", "lib_rm_version_mismatch", "binding_missing"}
@@ -71,7 +74,11 @@ _WHOLE_LIBRARY_REASONS = frozenset(
 
 @dataclass(frozen=True)
 class GpuMemory:
-    """One device's memory, in bytes, as NVML reports it (`index` is NVML's index, not CUDA's)."""
+    """One device's memory, in bytes, as NVML reports it (`index` is NVML's index, not CUDA's).
+
+    Where NVML's version 2 memory call answers, `reserved` is what the driver and firmware keep for themselves and
+    `used` leaves it out, as DCGM's FB_USED (and so dcgm-exporter) does; where only version 1 answers, `reserved` is
+    None and `used` includes it. Either way `occupied` (total - free) is everything a process cannot have."""
 
     index: int
     uuid: str
@@ -79,6 +86,11 @@ class GpuMemory:
     total: int
     used: int
     free: int
+    reserved: int | None = None
+
+    @property
+    def occupied(self) -> int:
+        return self.total - self.free
 
 
 class GpuReadError(Exception):
@@ -161,6 +173,7 @@ class NvmlReader:
         self._lib = lib
         self._lock = threading.Lock()
         self._initialised = False
+        self._memory_v2 = True  # until the binding or driver says otherwise
 
     def _binding(self) -> Any:
         if self._lib is None:
@@ -201,7 +214,8 @@ class NvmlReader:
         lib = self._ready()
         try:
             handle = lib.nvmlDeviceGetHandleByIndex(index)
-            memory = lib.nvmlDeviceGetMemoryInfo(handle)
+            memory = self._memory(lib, handle)
+            reserved = getattr(memory, "reserved", None)
             return GpuMemory(
                 index=index,
                 uuid=_text(lib.nvmlDeviceGetUUID(handle)),
@@ -209,9 +223,25 @@ class NvmlReader:
                 total=int(memory.total),
                 used=int(memory.used),
                 free=int(memory.free),
+                reserved=None if reserved is None else int(reserved),
             )
         except lib.NVMLError as exc:
             raise self._failed(exc, index) from exc
+
+    def _memory(self, lib: Any, handle: Any) -> Any:
+        """NVML's version 2 memory figures where the binding and driver have them, else version 1's (remembered:
+        a driver without them answers the same way every time)."""
+        version = getattr(lib, "nvmlMemory_v2", None)
+        if version is not None and self._memory_v2:
+            try:
+                return lib.nvmlDeviceGetMemoryInfo(handle, version=version)
+            except TypeError:  # a binding whose call takes no version
+                self._memory_v2 = False
+            except lib.NVMLError as exc:
+                if reason_of(exc) not in _NO_MEMORY_V2:
+                    raise
+                self._memory_v2 = False
+        return lib.nvmlDeviceGetMemoryInfo(handle)
 
     def scan(self) -> GpuScan:
         devices: list[GpuMemory] = []

@@ -45,6 +45,16 @@ class UnreadableReason(str, Enum):
     NO_STORAGE = "no_storage"  # a tensor without a readable storage (sparse, nested, a wrapper)
 
 
+class CudaUnavailable(str, Enum):
+    """Why an observation has no allocator figures (a metric label)."""
+
+    NOT_ATTACHED = "not_attached"  # the model is not loaded yet: the worker's device is unknown
+    NOT_CUDA = "not_cuda"  # the worker's device is not a CUDA one (a CPU worker): torch's CUDA allocator holds nothing
+    NO_INDEX = "no_index"  # a CUDA device whose index could not be told
+    NOT_INITIALISED = "not_initialised"  # CUDA not initialised in the process
+    STATS_FAILED = "stats_failed"  # torch.cuda.memory_stats raised (warned once in the worker's log)
+
+
 @dataclass(frozen=True)
 class OwnerObservation:
     """One owner's live caches: storage bytes (each storage counted once) and how many cache objects hold them.
@@ -77,12 +87,49 @@ class UnreadableCaches:
     caches: Annotated[int, Range(1, MAX_OBSERVED_CACHES)]
 
 
+Count = Annotated[int, Range(0)]
+
+
 @dataclass(frozen=True)
-class CudaMemory:
-    """torch's allocator figures for the worker's device: `memory_allocated` and `memory_reserved`."""
+class CudaWarm:
+    """The allocator's figures when the engine's warm-up ended (its KV budget sized, its graphs captured), and what
+    the worker's observed model-local KV held then: what later growth is measured from."""
 
     allocated_bytes: Bytes
     reserved_bytes: Bytes
+    peak_bytes: Bytes
+    observed_bytes: Annotated[Bytes, Doc("the owners' observed bytes, summed, at the end of warm-up")]
+
+
+@dataclass(frozen=True)
+class CudaMemory:
+    """torch's caching-allocator figures for the worker's device (`torch.cuda.memory_stats`, host-side counters).
+
+    kv-exporter never resets the allocator's peak (vLLM's profiler does, and reads it): the most allocated since the
+    previous sample is bounded instead. `high_water_bytes` bounds it from above: the allocator's peak where it rose
+    since the previous sample (then exact), else the smaller of the unchanged peak and the previous sample's allocated
+    plus everything allocated since; `high_water_floor_bytes` from below: the larger of the two samples' allocated.
+    Where the two are equal the high-water is exact."""
+
+    allocated_bytes: Bytes
+    reserved_bytes: Bytes
+    peak_bytes: Annotated[
+        Bytes, Since(4), Doc("the most allocated since the allocator's peak was last reset (by vLLM, never by us)")
+    ] = 0
+    high_water_bytes: Annotated[Bytes, Since(4), Doc("the most allocated since the previous sample, at most")] = 0
+    high_water_floor_bytes: Annotated[
+        Bytes, Since(4), Doc("the most allocated since the previous sample, at least")
+    ] = 0
+    alloc_retries: Annotated[Count, Since(4), Doc("allocations that failed, freed the cache and were retried")] = 0
+    ooms: Annotated[Count, Since(4), Doc("allocations that failed for good: out of memory")] = 0
+    warm: Annotated[CudaWarm | None, Since(4), Doc("at the end of warm-up; null before it or where unseen")] = None
+
+    def __post_init__(self) -> None:
+        if self.high_water_bytes < self.high_water_floor_bytes:
+            raise DocumentError(
+                "inconsistent",
+                f"high_water_bytes {self.high_water_bytes} < high_water_floor_bytes {self.high_water_floor_bytes}",
+            )
 
 
 @dataclass(frozen=True)
@@ -100,3 +147,6 @@ class Observation:
         Since(3),
         Doc("whether the owners' peak_bytes were followed between samples (KV_EXPORTER_OBSERVE_PEAK); else bytes"),
     ] = False
+    cuda_unavailable: Annotated[
+        CudaUnavailable | None, Since(4), Doc("why `cuda` is null; null when it is set (or observation is off)")
+    ] = None

@@ -7,21 +7,27 @@ own python3 and packages):
    EncoderDecoderCache, ming_flash_omni's lazily allocated StaticCache. Each is measured four ways: the
    delta of torch.cuda.memory_allocated, the storage behind its tensors (measure_cache_bytes), the bytes
    kv-exporter's tracker observes (the plugin's own sampler code), and the bytes its declaration gives.
-2. The sidecar runs on real NVML (`python -m kv_exporter serve`) over a manifest this process writes with its own
+2. The allocator's figures the observation carries (plugin/observe/cuda.py) against torch's own counters: the end of
+   warm-up, 256 MiB no cache holds (unexplained growth, to the byte), a 1 GiB burst freed between two samples (the
+   high-water, exact), a quiet interval (exact), an out-of-memory error (ooms, retries), and the peak never reset.
+3. The sidecar runs on real NVML (`python -m kv_exporter serve`) over a manifest this process writes with its own
    device, as the hook writes it: the GPU label it exports must be NVML's index for the UUID torch reports, and
-   the per-process figure NVML gives for this pid is printed beside torch's reserved memory.
+   the per-process figure NVML gives for this pid is printed beside torch's reserved memory; NVML's version 1 and 2
+   memory figures side by side, and the reserved memory (v2) must be exported apart, used as DCGM exports it.
 A table is printed; a failed check exits 1. Without a CUDA device it says so and exits 0. `--device cpu` runs
-part 1 without the allocator column (the script's own test runs it so, where there is no GPU).
+part 1 only, without the allocator column (the script's own test runs it so, where there is no GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -65,15 +71,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-proof: no CUDA device here (torch {torch.__version__}): nothing measured, nothing to prove")
         return 0
     tracker = install_tracker()
-    rows = list(measure_caches(torch, torch.device(args.device), tracker))
-    print_table(rows)
-    failed = [f"{row.case}: {name}" for row in rows for name, ok in row.checks() if not ok]
-    if args.device == "cuda":
-        failed += sidecar_on_nvml(torch)
+
+    def caches() -> list[str]:
+        rows = list(measure_caches(torch, torch.device(args.device), tracker))
+        print_table(rows)
+        return [f"{row.case}: {name}" for row in rows for name, ok in row.checks() if not ok]
+
+    parts = [caches, lambda: allocator_figures(torch), lambda: sidecar_on_nvml(torch)]
+    failed = [failure for part in parts[: 1 if args.device == "cpu" else None] for failure in isolated(part)]
     for failure in failed:
         print(f"FAILED {failure}")
     print("gpu-proof: all checks passed" if not failed else f"gpu-proof: {len(failed)} check(s) failed")
     return 1 if failed else 0
+
+
+def isolated(part: Callable[[], list[str]]) -> list[str]:
+    """A part's failures; one that raises is one failure (with its traceback printed), and the next part still runs:
+    a GPU lent for minutes must give every answer it can."""
+    try:
+        return part()
+    except Exception as exc:
+        traceback.print_exc()
+        return [f"a part raised {exc!r}"]
 
 
 def install_tracker() -> Callable[[], int]:
@@ -156,6 +175,11 @@ def measure_caches(torch: Any, device: Any, observed: Callable[[], int]) -> Iter
     def encoder_decoder(cache: Any, spec: Any) -> Any:
         return fill(cache, spec, 1, spec.physical_capacity_positions, 0, target=cache.cross_attention_cache)
 
+    # The first cache built on a device allocated ~900 KiB more than its storage on an H200 (lazily created CUDA
+    # state, docs/gpu-proof.md): one is built and dropped before anything is measured.
+    with allocated_delta(torch, device) as first_use:
+        cases[0][2]()
+    print(f"first use of the device, before measuring: {first_use()} bytes still allocated after the cache is gone")
     for name, declared_bytes, build in cases:
         with allocated_delta(torch, device) as delta:
             cache = build()
@@ -196,6 +220,78 @@ def print_table(rows: list[Row]) -> None:
     print("measurement); a sliding layer's storage holds its whole window (72 positions where 71 are declared).")
 
 
+def allocator_figures(torch: Any) -> list[str]:
+    """The observation's allocator figures (plugin/observe/cuda.py) against torch's own counters, step by step: the
+    end of warm-up, memory no cache explains, a burst freed between two samples, a quiet interval, an out-of-memory
+    error. The allocator's peak must never be reset by kv-exporter. The failures, if any."""
+    from torch import nn
+
+    from kv_exporter.plugin import observe
+    from kv_exporter.sidecar.observed import CudaView
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    observe.attach(nn.Linear(8, 8).to(device), [], device)
+    failures: list[str] = []
+    table: list[tuple[str, str, str]] = []
+
+    def check(step: str, name: str, ours: int | None, truth: int | None, ok: bool) -> None:
+        table.append((f"{step}: {name}", str(ours), str(truth)))
+        if not ok:
+            failures.append(f"allocator, {step}: {name} is {ours}, torch says {truth}")
+
+    def sample(warm_up_ended: bool = False) -> Any:
+        torch.cuda.synchronize()
+        observation = observe.observe(pause=lambda: None, warm_up_ended=warm_up_ended)
+        if observation.cuda is None:
+            raise RuntimeError(f"no allocator figures on CUDA: {observation.cuda_unavailable}")
+        return observation
+
+    def unexplained(observation: Any) -> int | None:
+        view = CudaView(None, None, None)  # type: ignore[arg-type]  # the sidecar's own arithmetic, one worker
+        view.add(observation.cuda, sum(owner.bytes for owner in observation.owners), detailed=True)
+        return view.unexplained_growth_bytes
+
+    warm = sample(warm_up_ended=True).cuda
+    allocated = torch.cuda.memory_allocated(device)
+    check("warm-up end", "warm.allocated", warm.warm.allocated_bytes, allocated, warm.warm.allocated_bytes == allocated)
+    held = torch.empty(256 << 20, dtype=torch.uint8, device=device)  # no cache holds it: unexplained
+    burst = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    del burst
+    peak = torch.cuda.max_memory_allocated(device)
+    after_burst = sample()
+    cuda = after_burst.cuda
+    check("burst freed", "high_water", cuda.high_water_bytes, peak, cuda.high_water_bytes == peak)
+    check("burst freed", "high_water_floor", cuda.high_water_floor_bytes, peak, cuda.high_water_floor_bytes == peak)
+    growth = unexplained(after_burst)
+    check("burst freed", "unexplained growth", growth, held.numel(), growth == held.numel())
+    quiet = sample().cuda
+    allocated = torch.cuda.memory_allocated(device)
+    exact = quiet.high_water_bytes == quiet.high_water_floor_bytes == allocated
+    check("quiet interval", "high_water (= floor)", quiet.high_water_bytes, allocated, exact)
+    stats = torch.cuda.memory_stats(device)
+    with contextlib.suppress(torch.OutOfMemoryError):
+        torch.empty(torch.cuda.get_device_properties(device).total_memory * 2, dtype=torch.uint8, device=device)
+    after_oom = sample().cuda
+    oomed = torch.cuda.memory_stats(device)
+    check(
+        "out of memory",
+        "ooms",
+        after_oom.ooms,
+        oomed["num_ooms"],
+        after_oom.ooms == oomed["num_ooms"] == stats["num_ooms"] + 1,
+    )
+    retries = oomed["num_alloc_retries"]
+    check("out of memory", "alloc_retries", after_oom.alloc_retries, retries, after_oom.alloc_retries == retries)
+    never_reset = torch.cuda.max_memory_allocated(device)
+    check("end", "peak (never reset)", after_oom.peak_bytes, never_reset, after_oom.peak_bytes == never_reset >= peak)
+    del held
+    widths = [max(len(row[i]) for row in table) for i in range(3)]
+    print(f"{'allocator check':<{widths[0]}}  {'kv-exporter':>{widths[1]}}  {'torch':>{widths[2]}}")
+    for step, ours, truth in table:
+        print(f"{step:<{widths[0]}}  {ours:>{widths[1]}}  {truth:>{widths[2]}}")
+    return failures
+
+
 def sidecar_on_nvml(torch: Any) -> list[str]:
     """The sidecar on real NVML over this process's manifest; the failures, if any."""
     try:
@@ -208,7 +304,7 @@ def sidecar_on_nvml(torch: Any) -> list[str]:
 
     from kv_exporter.gpu import NvmlReader
     from kv_exporter.manifest import Declaration, EngineIdentity, Manifest, Phase, ProcessInfo, write_manifest
-    from kv_exporter.plugin import baseline, identity
+    from kv_exporter.plugin import baseline, identity, observe
     from kv_exporter.reference import QWEN3_TTS
 
     runner = SimpleNamespace(device=torch.device("cuda", torch.cuda.current_device()))
@@ -222,6 +318,7 @@ def sidecar_on_nvml(torch: Any) -> list[str]:
         collector="kv_exporter",
         declarations=tuple(Declaration.from_spec(o, s) for o, s in QWEN3_TTS.declarations),
         baseline=base,
+        observation=observe.observe(pause=lambda: None),
     )
     folder = Path(tempfile.mkdtemp(prefix="kvx-gpu-proof-"))
     write_manifest(folder, manifest)
@@ -241,6 +338,40 @@ def sidecar_on_nvml(torch: Any) -> list[str]:
     print(f"manifest baseline: NVML {base.nvml_process_used_bytes} B, torch reserved {base.torch_reserved_bytes} B")
     if process and process[0] < reserved:
         failures.append("NVML reports less for this process than torch has reserved")
+    failures += nvml_memory_versions(series, device.index)
+    peak = [v for k, v in series.items() if k.startswith("model_local_kv_observed_cuda_peak_bytes{")]
+    print(f"exported allocator peak: {peak}; torch.cuda.max_memory_allocated: {torch.cuda.max_memory_allocated()}")
+    if peak != [torch.cuda.max_memory_allocated()]:
+        failures.append("the sidecar's model_local_kv_observed_cuda_peak_bytes is not the worker's allocator peak")
+    return failures
+
+
+def nvml_memory_versions(series: dict[str, float], index: int | None) -> list[str]:
+    """NVML's version 1 and version 2 memory figures side by side, and what the sidecar exported of them."""
+    import pynvml
+
+    if index is None:
+        return ["no NVML index for this device"]
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    v1 = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    try:
+        v2 = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+    except pynvml.NVMLError as exc:
+        print(f"NVML v1 total/used/free {v1.total}/{v1.used}/{v1.free}; no version 2 memory call here ({exc})")
+        return []
+    print(f"NVML v1 total/used/free {v1.total}/{v1.used}/{v1.free}")
+    print(f"NVML v2 total/reserved/used/free {v2.total}/{v2.reserved}/{v2.used}/{v2.free}")
+    exported = {name: [v for k, v in series.items() if k.startswith(f"model_local_kv_gpu_memory_{name}_bytes{{")]
+                for name in ("used", "reserved", "free", "total")}  # fmt: skip
+    print(f"sidecar exported: {exported}")
+    failures = []
+    if v2.total != v2.reserved + v2.used + v2.free:
+        failures.append("NVML v2: total != reserved + used + free")
+    if exported["reserved"] != [v2.reserved]:
+        failures.append("the sidecar does not export NVML v2's reserved memory")
+    if v1.total - v1.free != v2.total - v2.free or len(exported["used"]) != 1:  # the same occupancy both ways
+        failures.append("NVML v1 and v2 disagree on what is occupied (or the sidecar exported no used figure)")
     return failures
 
 

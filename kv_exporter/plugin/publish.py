@@ -79,7 +79,7 @@ def build_manifest(runner: Any, phase: Phase, settings: HookSettings, reader: Gp
         declarations=declarations,
         baseline=base,
         pod=identity.pod_info(),
-        observation=observe.observe(),
+        observation=observe.observe(warm_up_ended=phase is Phase.WARMUP),
     )
     try:  # the sidecar reads strictly: say here, once, if it is going to reject this file
         parse_manifest(manifest.to_json().encode(), "<kv-exporter hook>")

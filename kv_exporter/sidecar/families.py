@@ -141,7 +141,17 @@ def engine_families(engines: Sequence[EngineView], pages: Sequence[PageResult]) 
 
 def gpu_families(gpus: Sequence[GpuView]) -> list[Metric]:
     total = GaugeRows("model_local_kv_gpu_memory_total_bytes", "GPU memory total (NVML).", GPU_LABELS)
-    used = GaugeRows("model_local_kv_gpu_memory_used_bytes", "GPU memory used (NVML).", GPU_LABELS)
+    used = GaugeRows(
+        "model_local_kv_gpu_memory_used_bytes",
+        "GPU memory used (NVML): without the reserved memory where NVML reports that apart, as DCGM's FB_USED.",
+        GPU_LABELS,
+    )
+    reserved = GaugeRows(
+        "model_local_kv_gpu_memory_reserved_bytes",
+        "GPU memory the driver and firmware reserve (NVML's version 2 memory call, as DCGM's FB_RESERVED); absent "
+        "where NVML reports it only inside used.",
+        GPU_LABELS,
+    )
     free = GaugeRows("model_local_kv_gpu_memory_free_bytes", "GPU memory free (NVML).", GPU_LABELS)
     process = GaugeRows(
         "model_local_kv_gpu_process_memory_bytes",
@@ -150,8 +160,8 @@ def gpu_families(gpus: Sequence[GpuView]) -> list[Metric]:
     )
     peak = GaugeRows(
         "model_local_kv_gpu_projected_peak_bytes",
-        "NVML used + sum over this GPU's live declarations of (ceiling - estimate) - the declared memory already "
-        "resident + the unexplained growth.",
+        "NVML's occupied memory (total - free: used and reserved) + sum over this GPU's live declarations of "
+        "(ceiling - estimate) - the declared memory already resident + the unexplained growth.",
         GPU_LABELS,
     )
     growth = GaugeRows(
@@ -178,6 +188,8 @@ def gpu_families(gpus: Sequence[GpuView]) -> list[Metric]:
         total.add_metric(labels, view.memory.total)
         used.add_metric(labels, view.memory.used)
         free.add_metric(labels, view.memory.free)
+        if view.memory.reserved is not None:
+            reserved.add_metric(labels, view.memory.reserved)
         for pid, value in view.processes.items():
             process.add_metric((*labels, str(pid)), value)
         peak.add_metric(labels, view.projected_peak)
@@ -186,7 +198,7 @@ def gpu_families(gpus: Sequence[GpuView]) -> list[Metric]:
         headroom.add_metric(labels, view.headroom)
         if view.safe_max_num_seqs is not None:
             safe.add_metric(labels, view.safe_max_num_seqs)
-    return [total, used, free, process, peak, growth, resident, headroom, safe]
+    return [total, used, reserved, free, process, peak, growth, resident, headroom, safe]
 
 
 def observed_families(observed: Observed) -> list[Metric]:
@@ -259,7 +271,80 @@ def observed_families(observed: Observed) -> list[Metric]:
         labels = (*_engine(cuda.key), cuda.placement.gpu, cuda.placement.uuid, *_pod(cuda.pod))
         allocated.add_metric(labels, cuda.allocated_bytes)
         reserved.add_metric(labels, cuda.reserved_bytes)
-    return [held, peak, caches, unexplained, unreadable, state, age, allocated, reserved]
+    return [
+        held,
+        peak,
+        caches,
+        unexplained,
+        unreadable,
+        state,
+        age,
+        allocated,
+        reserved,
+        *_allocator_families(observed),
+    ]
+
+
+def _allocator_families(observed: Observed) -> list[Metric]:
+    """The allocator's figures beyond allocated and reserved (observe/cuda.py), and why a worker has none."""
+    peak = GaugeRows(
+        "model_local_kv_observed_cuda_peak_bytes",
+        "The most torch's allocator held on this GPU since its peak was last reset (by vLLM's profiler at start-up; "
+        "kv-exporter never resets it), summed over the engine's workers.",
+        ENGINE_GPU_LABELS,
+    )
+    high_water = GaugeRows(
+        "model_local_kv_observed_cuda_high_water_bytes",
+        "At most the most torch's allocator held between the engine's last two observations: its peak where that "
+        "rose in between (exact), else bounded by the peak and by what was allocated in between.",
+        ENGINE_GPU_LABELS,
+    )
+    floor = GaugeRows(
+        "model_local_kv_observed_cuda_high_water_floor_bytes",
+        "At least the most torch's allocator held between the engine's last two observations (the larger of the two "
+        "samples' allocated, or the risen peak); equal to the high-water figure where that is exact.",
+        ENGINE_GPU_LABELS,
+    )
+    warm = GaugeRows(
+        "model_local_kv_observed_cuda_warm_allocated_bytes",
+        "torch.cuda.memory_allocated() when the engine's warm-up ended (its KV budget sized, its graphs captured).",
+        ENGINE_GPU_LABELS,
+    )
+    growth = GaugeRows(
+        "model_local_kv_observed_cuda_unexplained_growth_bytes",
+        "Allocated now minus at the end of warm-up, less what the observed model-local KV grew by in that time: "
+        "memory no declaration and no observed cache explains (negative where less is held than after warm-up).",
+        ENGINE_GPU_LABELS,
+    )
+    retries = CounterMetricFamily(
+        "model_local_kv_observed_cuda_alloc_retries",
+        "Allocations torch's allocator retried after freeing its cache (num_alloc_retries): memory pressure.",
+        labels=list(ENGINE_GPU_LABELS),
+    )
+    ooms = CounterMetricFamily(
+        "model_local_kv_observed_cuda_ooms",
+        "Allocations torch's allocator failed for good: out-of-memory errors raised in the worker (num_ooms).",
+        labels=list(ENGINE_GPU_LABELS),
+    )
+    for cuda in (view for view in observed.cuda if view.detailed):
+        labels = (*_engine(cuda.key), cuda.placement.gpu, cuda.placement.uuid, *_pod(cuda.pod))
+        peak.add_metric(labels, cuda.peak_bytes)
+        high_water.add_metric(labels, cuda.high_water_bytes)
+        floor.add_metric(labels, cuda.high_water_floor_bytes)
+        retries.add_metric(labels, cuda.alloc_retries)
+        ooms.add_metric(labels, cuda.ooms)
+        if cuda.warm_allocated_bytes is not None and cuda.unexplained_growth_bytes is not None:
+            warm.add_metric(labels, cuda.warm_allocated_bytes)
+            growth.add_metric(labels, cuda.unexplained_growth_bytes)
+    unavailable = GaugeRows(
+        "model_local_kv_observed_cuda_unavailable",
+        "Workers of the engine whose observation has no allocator figures, by reason: not_cuda (a CPU worker), "
+        "not_initialised, not_attached (model not loaded yet), no_index, stats_failed.",
+        (*ENGINE_LABELS, "reason"),
+    )
+    for missing in observed.cuda_unavailable:
+        unavailable.add_metric((*_engine(missing.key), *_pod(missing.pod), missing.reason), missing.workers)
+    return [peak, high_water, floor, warm, growth, retries, ooms, unavailable]
 
 
 def exporter_families(snapshot: Snapshot) -> list[Metric]:

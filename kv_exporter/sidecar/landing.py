@@ -111,7 +111,7 @@ def _item(swatch: str, text: str) -> str:
 
 def _gpu_bar(view: GpuView) -> str:
     """used now | growth the declarations still allow | headroom, on a scale that also fits an overflow."""
-    total, used, peak = view.memory.total, view.memory.used, view.projected_peak
+    total, used, peak = view.memory.total, view.memory.occupied, view.projected_peak
     state = headroom_state(total, peak)
     over = state is HeadroomState.OVER
     scale = max(total, peak, 1)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kv_exporter.manifest import Manifest, PodInfo
-from kv_exporter.observation import ObservationState
+from kv_exporter.observation import CudaMemory, ObservationState
 from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.records import (
     GpuResult,
@@ -154,15 +154,50 @@ class EngineObservation:
     age_s: float | None  # of its workers' oldest usable sample; None without one
 
 
-@dataclass(frozen=True)
+@dataclass
 class CudaView:
-    """torch's allocator figures, summed over an engine's workers on one GPU."""
+    """torch's allocator figures, summed over an engine's workers on one GPU (observation.CudaMemory)."""
 
     key: EngineKey
     placement: Placement
     pod: PodInfo
-    allocated_bytes: int
-    reserved_bytes: int
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    peak_bytes: int = 0
+    high_water_bytes: int = 0
+    high_water_floor_bytes: int = 0
+    alloc_retries: int = 0
+    ooms: int = 0
+    # Over the workers whose warm-up end was seen (None: none of them): allocated then, and the growth since that
+    # the growth of their observed model-local KV does not explain.
+    warm_allocated_bytes: int | None = None
+    unexplained_growth_bytes: int | None = None
+    detailed: bool = True  # every worker wrote the figures beyond allocated and reserved (schema version 4)
+
+    def add(self, cuda: CudaMemory, observed_bytes: int, detailed: bool) -> None:
+        self.detailed = self.detailed and detailed
+        self.allocated_bytes += cuda.allocated_bytes
+        self.reserved_bytes += cuda.reserved_bytes
+        self.peak_bytes += cuda.peak_bytes
+        self.high_water_bytes += cuda.high_water_bytes
+        self.high_water_floor_bytes += cuda.high_water_floor_bytes
+        self.alloc_retries += cuda.alloc_retries
+        self.ooms += cuda.ooms
+        warm = cuda.warm
+        if warm is not None:
+            growth = (cuda.allocated_bytes - warm.allocated_bytes) - (observed_bytes - warm.observed_bytes)
+            self.warm_allocated_bytes = (self.warm_allocated_bytes or 0) + warm.allocated_bytes
+            self.unexplained_growth_bytes = (self.unexplained_growth_bytes or 0) + growth
+
+
+@dataclass(frozen=True)
+class CudaUnavailable:
+    """Workers of an engine without allocator figures, for one reason (a CPU device, CUDA not initialised, ...)."""
+
+    key: EngineKey
+    pod: PodInfo
+    reason: str
+    workers: int
 
 
 @dataclass(frozen=True)
@@ -171,6 +206,7 @@ class Observed:
     engines: tuple[EngineObservation, ...] = ()
     cuda: tuple[CudaView, ...] = ()
     unreadable: tuple[UnreadableView, ...] = ()
+    cuda_unavailable: tuple[CudaUnavailable, ...] = ()
 
 
 def observe(
@@ -184,6 +220,7 @@ def observe(
         engines=tuple(_engine_observations(live, now)),
         cuda=tuple(_cuda_views(usable, gpu)),
         unreadable=tuple(_unreadable_views(usable, gpu)),
+        cuda_unavailable=tuple(_cuda_unavailable(usable)),
     )
 
 
@@ -276,14 +313,26 @@ def _unreadable_views(manifests: Iterable[Manifest], gpu: GpuResult) -> list[Unr
     return [UnreadableView(*key, caches) for key, caches in ordered]
 
 
+CUDA_DETAIL_SINCE = 4  # the schema version that added the allocator's peak, high-water, retries, OOMs and warm-up
+
+
 def _cuda_views(manifests: Iterable[Manifest], gpu: GpuResult) -> list[CudaView]:
-    sums: dict[tuple[EngineKey, Placement, PodInfo], list[int]] = {}
+    views: dict[tuple[EngineKey, Placement, PodInfo], CudaView] = {}
     for m in manifests:
         cuda = m.observation.cuda if m.observation else None
-        if cuda is None:
+        if cuda is None or m.observation is None:
             continue
-        row = sums.setdefault((engine_key(m), placement(m, gpu), m.pod), [0, 0])
-        row[0] += cuda.allocated_bytes
-        row[1] += cuda.reserved_bytes
-    ordered = sorted(sums.items(), key=lambda item: (item[0][0], item[0][1].gpu, item[0][1].uuid))
-    return [CudaView(key, where, pod, a, r) for (key, where, pod), (a, r) in ordered]
+        key = (engine_key(m), placement(m, gpu), m.pod)
+        view = views.setdefault(key, CudaView(*key))
+        view.add(cuda, sum(owner.bytes for owner in m.observation.owners), m.schema_version >= CUDA_DETAIL_SINCE)
+    return sorted(views.values(), key=lambda v: (v.key, v.placement.gpu, v.placement.uuid))
+
+
+def _cuda_unavailable(manifests: Iterable[Manifest]) -> list[CudaUnavailable]:
+    counts: dict[tuple[EngineKey, PodInfo, str], int] = {}
+    for m in manifests:
+        if m.observation is not None and m.observation.cuda is None and m.observation.cuda_unavailable is not None:
+            key = (engine_key(m), m.pod, m.observation.cuda_unavailable.value)
+            counts[key] = counts.get(key, 0) + 1
+    ordered = sorted(counts.items(), key=lambda item: (item[0][0], item[0][2]))
+    return [CudaUnavailable(key, pod, reason, workers) for (key, pod, reason), workers in ordered]

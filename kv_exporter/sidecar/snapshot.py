@@ -180,7 +180,7 @@ def engine_views(
 def safe_max_num_seqs(
     device: GpuMemory, views: Sequence[DeclarationView], owners: Sequence[OwnerView] = ()
 ) -> int | None:
-    """Largest M with used + sum(bytes_per_row * max(0, M - rows held)) <= total, over this GPU's
+    """Largest M with occupied (total - free) + sum(bytes_per_row * max(0, M - rows held)) <= total, over this GPU's
     max_num_seqs-driven declarations and the owners whose unexplained bytes grow with running sequences (every
     engine on the GPU at the same M); None when there are none. Rows held: the estimated rows, and the rows an owner
     already holds beyond them (its resident bytes, whole rows, given to its declarations in page order)."""
@@ -197,7 +197,7 @@ def safe_max_num_seqs(
         scaling.append((v.estimate_rows + max(0, held), per_row))
     if not any(per_row for _, per_row in scaling):  # nothing grows
         return None
-    free = device.total - device.used
+    free = device.total - device.occupied
     if free < 0:
         return 0
     # The growth at M, sum(per_row * (M - rows)) over rows < M, is linear between two consecutive row counts:
@@ -231,7 +231,7 @@ def gpu_views(
             GpuView(
                 memory=device,
                 source=gpu.source or "",
-                projected_peak=device.used + growth + unexplained_growth,
+                projected_peak=device.occupied + growth + unexplained_growth,
                 safe_max_num_seqs=safe_max_num_seqs(device, mine, held),
                 processes={pid: listed[pid] for pid in sorted(pids) if pid in listed},
                 declarations=len(mine),

@@ -21,7 +21,7 @@ import pytest
 
 from kv_exporter.gpu import HOST_PID_NAMESPACE
 from kv_exporter.manifest import PodInfo, manifest_filename, write_manifest
-from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation
+from kv_exporter.observation import CudaMemory, CudaWarm, Observation, ObservationState, OwnerObservation
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
 from kv_exporter.sidecar.buildinfo import build_info
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
@@ -43,7 +43,10 @@ WINDOW_ROW = 4_718_592
 
 def observed(taken_at: float) -> Observation:
     owners = (OwnerObservation(CODEC_OWNER, 3 * WINDOW_ROW, 3), OwnerObservation("vocoder", 524_288, 1))
-    cuda = CudaMemory(21 * GIB, 22 * GIB)
+    # Warm-up ended at 20 GiB with one window held; since then 1 GiB more is allocated, of which the two new windows
+    # and the vocoder's cache explain 9.5 MiB. The peak (23 GiB) is the profiler's, from start-up.
+    warm = CudaWarm(20 * GIB, 22 * GIB, 23 * GIB, WINDOW_ROW)
+    cuda = CudaMemory(21 * GIB, 22 * GIB, 23 * GIB, 21 * GIB + (8 << 20), 21 * GIB, 1, 0, warm)
     return Observation(ObservationState.OK, "", 10.0, taken_at, 0.0004, owners, cuda, peaks_followed=True)
 
 

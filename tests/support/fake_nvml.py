@@ -20,6 +20,9 @@ class FakeDevice:
     used: int
     processes: list[tuple[int, int | None]] = field(default_factory=list)
     error: type[pynvml.NVMLError] | None = None  # raised by every per-device call
+    # Kept by the driver and firmware: what NVML's version 2 memory call reports apart (None: a driver without that
+    # call, which answers it with NVMLError_FunctionNotFound); version 1's used includes it.
+    reserved: int | None = None
 
 
 class FakeBinding:
@@ -32,6 +35,7 @@ class FakeBinding:
         self.init_error = init_error
         self.init_calls = 0
         self.shutdown_calls = 0
+        self.memory_versions: list[int | None] = []  # each memory call's version argument
 
     def _raise(self, cls: type[pynvml.NVMLError]) -> None:
         # The real classes take the NVML return code; find it from the binding's own mapping.
@@ -65,9 +69,20 @@ class FakeBinding:
     def nvmlDeviceGetName(self, handle: FakeDevice) -> bytes:
         return self._checked(handle).name.encode()  # older bindings return bytes
 
-    def nvmlDeviceGetMemoryInfo(self, handle: FakeDevice) -> Any:
+    nvmlMemory_v2 = pynvml.nvmlMemory_v2
+
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeDevice, version: int | None = None) -> Any:
+        self.memory_versions.append(version)
         dev = self._checked(handle)
-        return SimpleNamespace(total=dev.total, used=dev.used, free=dev.total - dev.used)
+        reserved = dev.reserved or 0
+        free = dev.total - dev.used - reserved
+        if version is None:
+            return SimpleNamespace(total=dev.total, used=dev.used + reserved, free=free)
+        if version != pynvml.nvmlMemory_v2:
+            self._raise(pynvml.NVMLError_ArgumentVersionMismatch)
+        if dev.reserved is None:
+            self._raise(pynvml.NVMLError_FunctionNotFound)
+        return SimpleNamespace(version=version, total=dev.total, reserved=dev.reserved, used=dev.used, free=free)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeDevice) -> list[Any]:
         dev = self._checked(handle)
@@ -81,10 +96,10 @@ class HangingBinding(FakeBinding):
         super().__init__(devices)
         self.hold = hold
 
-    def nvmlDeviceGetMemoryInfo(self, handle: FakeDevice) -> Any:
+    def nvmlDeviceGetMemoryInfo(self, handle: FakeDevice, version: int | None = None) -> Any:
         while self.hold.exists():
             time.sleep(0.05)
-        return super().nvmlDeviceGetMemoryInfo(handle)
+        return super().nvmlDeviceGetMemoryInfo(handle, version)
 
 
 def hanging_nvml(hold: Path) -> str:

@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache, Qwen2ForCausalLM
 
 from kv_exporter.cachebytes import measure_cache_bytes
-from kv_exporter.observation import UNATTRIBUTED_OWNER, Observation, ObservationState
+from kv_exporter.observation import UNATTRIBUTED_OWNER, CudaUnavailable, Observation, ObservationState
 from kv_exporter.plugin import observe
 from kv_exporter.plugin.oncelog import reset_for_tests
 from kv_exporter.plugin.settings import DEFAULT_OBSERVE_INTERVAL_S, HookSettings
@@ -244,6 +244,7 @@ def test_the_sampler_thread_publishes_observations_until_stopped() -> None:
     assert THREAD_NAME not in {thread.name for thread in threading.enumerate()}
     first = received[0]
     assert (first.state, first.interval_s, first.cuda) == (ObservationState.OK, 1.0, None)
+    assert first.cuda_unavailable is CudaUnavailable.NOT_CUDA  # a CPU worker: said, not left blank
     assert by_owner(first)[UNATTRIBUTED_OWNER].bytes == measure_cache_bytes(cache).allocated_bytes
     assert first.taken_at > 0 and first.duration_s > 0
 
@@ -257,7 +258,24 @@ def test_on_a_cuda_device_the_allocator_figures_come_with_the_caches() -> None:
     forward(model, cache, input_ids=prompt(1, 7).to(device))
     observe.attach(model, [], device)
     observation = sample()
-    assert observation.cuda is not None
+    assert observation.cuda is not None and observation.cuda_unavailable is None
     assert observation.cuda.allocated_bytes == torch.cuda.memory_allocated(device)
     assert observation.cuda.reserved_bytes == torch.cuda.memory_reserved(device)
+    assert observation.cuda.peak_bytes == torch.cuda.max_memory_allocated(device)
     assert by_owner(observation)[UNATTRIBUTED_OWNER].bytes == measure_cache_bytes(cache).allocated_bytes
+    # A burst freed before the next sample: the allocator's peak rose, so the high-water is exact, and unreset.
+    before = torch.cuda.memory_allocated(device)
+    burst = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    del burst
+    after = sample()
+    assert after.cuda is not None
+    assert after.cuda.high_water_bytes == after.cuda.high_water_floor_bytes >= before + (64 << 20)
+    assert after.cuda.peak_bytes == torch.cuda.max_memory_allocated(device) == after.cuda.high_water_bytes
+
+
+@pytest.mark.usefixtures("observer")
+def test_before_the_model_is_attached_the_allocator_figures_say_why_they_are_missing() -> None:
+    observation = sample()
+    assert (observation.cuda, observation.cuda_unavailable) == (None, CudaUnavailable.NOT_ATTACHED)
+    observe.attach(model_and_cache()[0], [], torch.device("cpu"))
+    assert sample().cuda_unavailable is CudaUnavailable.NOT_CUDA

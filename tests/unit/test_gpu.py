@@ -119,3 +119,25 @@ def test_simulated_device() -> None:
         gpu.device(1)
     with pytest.raises(ValueError):
         SimulatedGpu(total=GIB, used=2 * GIB)
+
+
+def test_nvml_v2_reports_reserved_memory_apart_and_used_as_dcgm_does() -> None:
+    lib = FakeBinding([FakeDevice("GPU-aaaa", "NVIDIA H200", 140 * GIB, 10 * GIB, reserved=GIB // 2)])
+    [device] = NvmlReader(lib).scan().devices
+    assert (device.used, device.reserved) == (10 * GIB, GIB // 2)
+    assert device.free == 140 * GIB - 10 * GIB - GIB // 2
+    assert device.occupied == device.used + device.reserved
+    assert lib.memory_versions == [pynvml.nvmlMemory_v2]
+
+
+def test_a_driver_without_the_v2_call_is_read_with_v1_and_not_asked_again() -> None:
+    lib = FakeBinding(two_gpus())  # reserved None: the v2 call answers NVMLError_FunctionNotFound
+    reader = NvmlReader(lib)
+    first = reader.scan()
+    second = reader.scan()
+    assert [(d.used, d.reserved, d.occupied) for d in first.devices] == [
+        (10 * GIB, None, 10 * GIB),
+        (20 * GIB, None, 20 * GIB),
+    ]
+    assert second == first
+    assert lib.memory_versions == [pynvml.nvmlMemory_v2, None, None, None, None]

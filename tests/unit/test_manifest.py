@@ -30,6 +30,7 @@ from kv_exporter.manifest import (
 )
 from kv_exporter.observation import (
     CudaMemory,
+    CudaWarm,
     Observation,
     ObservationState,
     OwnerObservation,
@@ -161,7 +162,7 @@ MALFORMED: dict[str, tuple[bytes, str, str]] = {
         "invalid_json",
         "duplicate",
     ),
-    "future schema version": (mutate(set_path("schema_version", 4)), "unsupported_schema_version", "got 4"),
+    "future schema version": (mutate(set_path("schema_version", 5)), "unsupported_schema_version", "got 5"),
     "schema version as string": (mutate(set_path("schema_version", "1")), "wrong_type", "schema_version"),
     "missing engine": (mutate(delete_path("engine")), "missing_field", "engine"),
     "missing declaration field": (mutate(delete_path("declarations.0.rows")), "missing_field", "rows"),
@@ -340,9 +341,19 @@ OBSERVATION = Observation(
         OwnerObservation("talker.code_predictor.codec_decoder", 9_437_184, 2, 37_748_736),
         OwnerObservation("vocoder", 512, 1, 512),
     ),
-    cuda=CudaMemory(allocated_bytes=3 << 30, reserved_bytes=4 << 30),
+    cuda=CudaMemory(
+        allocated_bytes=3 << 30,
+        reserved_bytes=4 << 30,
+        peak_bytes=5 << 30,
+        high_water_bytes=(3 << 30) + 4096,
+        high_water_floor_bytes=3 << 30,
+        alloc_retries=2,
+        ooms=1,
+        warm=CudaWarm(allocated_bytes=2 << 30, reserved_bytes=4 << 30, peak_bytes=5 << 30, observed_bytes=512),
+    ),
     unreadable=(UnreadableCaches("vocoder", UnreadableReason.NO_LAYERS, 1),),
 )
+V4_CUDA_FIELDS = ("peak_bytes", "high_water_bytes", "high_water_floor_bytes", "alloc_retries", "ooms", "warm")
 
 
 def observed_manifest() -> Manifest:
@@ -350,10 +361,14 @@ def observed_manifest() -> Manifest:
     return replace(reference_manifest(QWEN3_TTS), pod=pod, observation=OBSERVATION)
 
 
-def test_a_version_3_manifest_with_pod_peaks_and_unreadable_caches_round_trips(tmp_path: Path) -> None:
+def test_a_version_4_manifest_with_pod_peaks_unreadable_caches_and_allocator_figures_round_trips(
+    tmp_path: Path,
+) -> None:
     manifest = observed_manifest()
     document = json.loads(write_manifest(tmp_path, manifest).read_text())
-    assert document["schema_version"] == 3 and document["observation"]["owners"][1] == {
+    assert document["observation"]["cuda"]["warm"]["observed_bytes"] == 512
+    assert document["observation"]["cuda"]["high_water_floor_bytes"] == 3 << 30
+    assert document["schema_version"] == 4 and document["observation"]["owners"][1] == {
         "owner": "vocoder",
         "bytes": 512,
         "caches": 1,
@@ -364,8 +379,35 @@ def test_a_version_3_manifest_with_pod_peaks_and_unreadable_caches_round_trips(t
     assert read_manifest(tmp_path / manifest_filename(manifest.engine)) == manifest
 
 
-def version_2_document() -> dict[str, Any]:
+def version_3_document() -> dict[str, Any]:
     document = observed_manifest().to_dict()
+    document["schema_version"] = 3
+    del document["observation"]["cuda_unavailable"]
+    for name in V4_CUDA_FIELDS:
+        del document["observation"]["cuda"][name]
+    return document
+
+
+def test_a_version_3_observation_is_read_without_the_allocator_figures_it_did_not_have() -> None:
+    document = version_3_document()
+    jsonschema.validate(document, json.loads(schema_path(3).read_text()))
+    manifest = parse_manifest(json.dumps(document).encode(), "v3.json")
+    assert manifest.observation is not None and manifest.observation.cuda is not None
+    assert manifest.observation.cuda == CudaMemory(allocated_bytes=3 << 30, reserved_bytes=4 << 30)
+    document["observation"]["cuda"]["ooms"] = 1  # a version 3 worker had none to give
+    assert parse_manifest(json.dumps(document).encode(), "v3.json").observation is None
+
+
+def test_a_high_water_below_its_floor_is_inconsistent() -> None:
+    document = observed_manifest().to_dict()
+    document["observation"]["cuda"]["high_water_bytes"] = (3 << 30) - 1
+    manifest = parse_manifest(json.dumps(document).encode(), "v4.json")
+    assert manifest.observation is None and manifest.observation_problem is not None
+    assert manifest.observation_problem.reason == "inconsistent"
+
+
+def version_2_document() -> dict[str, Any]:
+    document = version_3_document()
     document["schema_version"] = 2
     del document["observation"]["unreadable"], document["observation"]["peaks_followed"]
     for owner in document["observation"]["owners"]:

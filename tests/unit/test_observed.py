@@ -21,6 +21,9 @@ from kv_exporter.manifest import (
     write_manifest,
 )
 from kv_exporter.observation import (
+    CudaMemory,
+    CudaUnavailable,
+    CudaWarm,
     Observation,
     ObservationState,
     OwnerObservation,
@@ -291,3 +294,71 @@ def test_a_sample_dated_ahead_of_the_clock_is_rejected_and_counted_once(tmp_path
     for _ in range(3):
         account.account(assess(store.load(), OTHER_NS), NOW)
     assert +account.errors_total == {FUTURE_TIMESTAMP: 1}
+
+
+# -- the allocator's figures (observation.CudaMemory, schema version 4) -------------------------------------------
+
+
+def family_values(snap: Snapshot, name: str) -> list[tuple[dict[str, str], float]]:
+    family = next(f for f in observed_families(snap.observed) if f.name == name)
+    value_name = f"{name}_total" if family.type == "counter" else name  # not a counter's _created
+    return [(sample.labels, sample.value) for sample in family.samples if sample.name == value_name]
+
+
+def on_cuda(obs: Observation, allocated: int, warm: CudaWarm | None, ooms: int = 0) -> Observation:
+    cuda = CudaMemory(allocated, allocated + GIB, allocated + 2 * GIB, allocated + GIB, allocated, 3, ooms, warm)
+    return dataclasses.replace(obs, cuda=cuda)
+
+
+def test_growth_since_warm_up_that_no_observed_cache_explains_is_shown_per_engine_and_gpu() -> None:
+    # At warm-up one sequence's row was held; now two run: the allocator grew by 5 GiB, the observed caches by a row.
+    at_warm_up = sum(o.bytes for o in held(1))
+    warm = CudaWarm(10 * GIB, 12 * GIB, 14 * GIB, at_warm_up)
+    snap = snapshot([manifest(on_cuda(observation(running=2), 15 * GIB, warm))], [page(2)])
+    [cuda] = snap.observed.cuda
+    assert (cuda.warm_allocated_bytes, cuda.unexplained_growth_bytes) == (10 * GIB, 5 * GIB - ROW)
+    [(labels, value)] = family_values(snap, "model_local_kv_observed_cuda_unexplained_growth_bytes")
+    assert (labels["gpu"], labels["UUID"], value) == ("0", UUID, 5 * GIB - ROW)
+    assert family_values(snap, "model_local_kv_observed_cuda_alloc_retries")[0][1] == 3
+    high = family_values(snap, "model_local_kv_observed_cuda_high_water_bytes")[0][1]
+    floor = family_values(snap, "model_local_kv_observed_cuda_high_water_floor_bytes")[0][1]
+    assert (high, floor) == (16 * GIB, 15 * GIB)
+
+
+def test_workers_add_up_and_a_worker_before_its_warm_up_end_adds_no_growth() -> None:
+    warm = CudaWarm(10 * GIB, 12 * GIB, 14 * GIB, sum(o.bytes for o in held(2)))
+    workers = [
+        manifest(on_cuda(observation(running=2), 11 * GIB, warm, ooms=1)),
+        manifest(on_cuda(observation(running=2), 7 * GIB, None), tp_rank=1),
+    ]
+    snap = snapshot(workers, [page(2)])
+    [cuda] = snap.observed.cuda
+    assert (cuda.allocated_bytes, cuda.ooms) == (18 * GIB, 1)
+    assert (cuda.warm_allocated_bytes, cuda.unexplained_growth_bytes) == (10 * GIB, GIB)
+
+
+def test_a_version_3_worker_exports_allocated_and_reserved_only() -> None:
+    old = dataclasses.replace(manifest(on_cuda(observation(running=2), 11 * GIB, None)), schema_version=3)
+    snap = snapshot([old], [page(2)])
+    assert family_values(snap, "model_local_kv_observed_cuda_allocated_bytes")[0][1] == 11 * GIB
+    for name in ("peak_bytes", "high_water_bytes", "ooms", "unexplained_growth_bytes"):
+        assert family_values(snap, f"model_local_kv_observed_cuda_{name}") == [], name
+
+
+def test_a_worker_without_allocator_figures_says_why() -> None:
+    obs = dataclasses.replace(observation(running=1), cuda_unavailable=CudaUnavailable.NOT_CUDA)
+    snap = snapshot([manifest(obs), manifest(obs, tp_rank=1)], [page(1)])
+    [(labels, workers)] = family_values(snap, "model_local_kv_observed_cuda_unavailable")
+    assert (labels["reason"], labels["model_name"], workers) == ("not_cuda", MODEL, 2)
+    assert snap.observed.cuda == ()
+
+
+def test_the_projection_counts_the_memory_nvml_reports_as_reserved() -> None:
+    # NVML v2: used leaves the reserved memory out (as DCGM does); the projection starts from total - free.
+    reserved = GpuMemory(0, UUID, "test GPU", 80 * GIB, 60 * GIB, 80 * GIB - 61 * GIB, reserved=GIB)
+    entries = assess([("/m/0.json", manifest(observation(running=0)))], OTHER_NS)
+    plain = build_snapshot(entries, [page(0)], GpuResult(True, "nvml", (device(60 * GIB),)), taken_at=NOW)
+    v2 = build_snapshot(entries, [page(0)], GpuResult(True, "nvml", (reserved,)), taken_at=NOW)
+    assert v2.gpus[0].projected_peak - plain.gpus[0].projected_peak == GIB
+    assert v2.gpus[0].safe_max_num_seqs is not None and plain.gpus[0].safe_max_num_seqs is not None
+    assert v2.gpus[0].safe_max_num_seqs < plain.gpus[0].safe_max_num_seqs

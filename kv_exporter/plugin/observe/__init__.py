@@ -19,10 +19,11 @@ from types import ModuleType
 from typing import Any
 
 from kv_exporter.dtypes import dtype_name
-from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation, UnreadableCaches
+from kv_exporter.observation import CudaUnavailable, Observation, ObservationState, OwnerObservation, UnreadableCaches
+from kv_exporter.plugin.observe.cuda import CudaAllocator
 from kv_exporter.plugin.observe.owners import Geometry, ModelMap
 from kv_exporter.plugin.observe.registry import Registry
-from kv_exporter.plugin.observe.sampler import Pacer, Sampler, Totals, cuda_memory, measure
+from kv_exporter.plugin.observe.sampler import Pacer, Sampler, Totals, measure
 from kv_exporter.plugin.oncelog import warn_once
 from kv_exporter.plugin.settings import HookSettings
 
@@ -39,7 +40,7 @@ class _Observer:
         self.registry = Registry()
         self.interval_s: float | None = None  # from the environment, read once
         self.peak: bool | None = None  # KV_EXPORTER_OBSERVE_PEAK, likewise
-        self.device_index: int | None = None
+        self.cuda = CudaAllocator()
         self.sampler: Sampler | None = None
         self._transformers_missing: bool | None = None
 
@@ -61,14 +62,14 @@ class _Observer:
                 self._transformers_missing = True
         return self._transformers_missing
 
-    def observe(self, pause: Callable[[], None] | None = None) -> Observation:
+    def observe(self, pause: Callable[[], None] | None = None, warm_up_ended: bool = False) -> Observation:
         interval = self.interval()
         if interval <= 0:
             return Observation(ObservationState.OFF, "", 0.0, 0.0, 0.0)
         taken_at, started = time.time(), time.perf_counter()
         reason = self.unavailable_reason()
         if reason:
-            return self._result(ObservationState.UNAVAILABLE, reason, taken_at, started)
+            return self._result(ObservationState.UNAVAILABLE, reason, taken_at, started, warm_up_ended)
         try:
             if self.registry.follows_peaks:
                 peaks = self.registry.take_peaks()  # first: reading a cache settles which owner it is
@@ -79,7 +80,7 @@ class _Observer:
         except Exception as exc:
             reason = f"the sample failed: {exc!r}"
             warn_once("observe:failing", "kv-exporter: %s; trying again at the next interval", reason)
-            return self._result(ObservationState.FAILING, reason, taken_at, started)
+            return self._result(ObservationState.FAILING, reason, taken_at, started, warm_up_ended)
         for reason_key, count in totals.unreadable.items():
             warn_once(
                 f"observe:unreadable:{reason_key[1].value}",
@@ -87,7 +88,8 @@ class _Observer:
                 count,
                 *reason_key,
             )
-        return self._result(ObservationState.OK, "", taken_at, started, owners(totals, peaks, self.registry.model))
+        figures = owners(totals, peaks, self.registry.model)
+        return self._result(ObservationState.OK, "", taken_at, started, warm_up_ended, figures)
 
     def unavailable_reason(self) -> str:
         if self.registry.unavailable:
@@ -103,12 +105,18 @@ class _Observer:
         reason: str,
         taken_at: float,
         started: float,
+        warm_up_ended: bool,
         figures: tuple[tuple[OwnerObservation, ...], tuple[UnreadableCaches, ...]] = ((), ()),
     ) -> Observation:
-        cuda: CudaMemory | None = cuda_memory(self.device_index)
+        if warm_up_ended:
+            self.cuda.mark_warm(sum(owner.bytes for owner in figures[0]))
+        cuda = self.cuda.read()
+        unavailable = None if cuda is not None else self.cuda.unavailable_reason() or CudaUnavailable.STATS_FAILED
         duration = time.perf_counter() - started
         peaks = self.registry.follows_peaks
-        return Observation(state, reason, self.interval(), taken_at, duration, figures[0], cuda, figures[1], peaks)
+        return Observation(
+            state, reason, self.interval(), taken_at, duration, figures[0], cuda, figures[1], peaks, unavailable
+        )
 
 
 def owners(
@@ -159,14 +167,15 @@ def attach(model: object, declarations: Iterable[Any], device: object = None) ->
 
     `declarations`: the manifest's (owner, layers, kv_heads, head_dim, dtype are read), or owner paths alone (owners
     whose geometry is unknown: a cache a module below one makes is never charged to it). `device`: the worker's torch
-    device (a CUDA one adds the allocator's figures); call this from the worker's own thread. Never raises.
+    device (a CUDA one adds the allocator's figures, observe/cuda.py); call this from the worker's own thread. Never
+    raises.
     """
     if _observer.interval() <= 0:
         return
     try:
         torch: Any = sys.modules.get("torch")
         module_type = torch.nn.Module if torch is not None else object
-        _observer.device_index = _cuda_index(device, torch)
+        _observer.cuda.attach(device, torch)
         _observer.registry.attach(model, declared_geometries(declarations), module_type)
     except Exception as exc:
         warn_once("observe:attach", "kv-exporter: cannot attribute caches to the model's modules (%s)", repr(exc))
@@ -184,18 +193,10 @@ def declared_geometries(declarations: Iterable[Any]) -> dict[str, set[Geometry]]
     return declared
 
 
-def _cuda_index(device: object, torch: Any) -> int | None:
-    if getattr(device, "type", None) != "cuda" or torch is None:
-        return None
-    index = getattr(device, "index", None)
-    if index is None and torch.cuda.is_initialized():
-        index = torch.cuda.current_device()  # this thread's: the worker's own device
-    return None if index is None else int(index)
-
-
-def observe(pause: Callable[[], None] | None = None) -> Observation:
-    """One sample now, in this thread (paused between slices with `pause`, default a short sleep)."""
-    return _observer.observe(pause)
+def observe(pause: Callable[[], None] | None = None, warm_up_ended: bool = False) -> Observation:
+    """One sample now, in this thread (paused between slices with `pause`, default a short sleep). `warm_up_ended`:
+    the engine has just finished its warm-up; the allocator's figures now are what later growth is measured from."""
+    return _observer.observe(pause, warm_up_ended)
 
 
 def start(on_sample: Callable[[Observation], None]) -> bool:

@@ -11,16 +11,14 @@ from __future__ import annotations
 import atexit
 import multiprocessing.util
 import os
-import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kv_exporter.cachebytes import NotACache, NotATensor, SeenStorages, StorageUnavailable, held_bytes, inner_caches
-from kv_exporter.observation import UNATTRIBUTED_OWNER, CudaMemory, Observation, UnreadableReason
+from kv_exporter.observation import UNATTRIBUTED_OWNER, Observation, UnreadableReason
 from kv_exporter.plugin.observe.registry import Entry
 from kv_exporter.plugin.oncelog import warn_once
 
@@ -103,27 +101,6 @@ def _held(cache: object, seen: SeenStorages) -> tuple[int, UnreadableReason | No
         return 0, UnreadableReason.NOT_A_TENSOR
     except Exception:
         return 0, UnreadableReason.LAYERS_RAISED
-
-
-def cuda_memory(device_index: int | None) -> CudaMemory | None:
-    """torch's allocator figures for the worker's CUDA device (host-side counters: no synchronisation).
-
-    The index is the worker's, fixed by `attach` in its own thread: CUDA's current device is per thread, and
-    asking from this one would name (and might initialise) device 0.
-    """
-    torch: Any = sys.modules.get("torch")
-    if device_index is None or torch is None:
-        return None
-    try:
-        if not torch.cuda.is_initialized():
-            return None
-        return CudaMemory(
-            allocated_bytes=int(torch.cuda.memory_allocated(device_index)),
-            reserved_bytes=int(torch.cuda.memory_reserved(device_index)),
-        )
-    except Exception as exc:
-        warn_once("observe:cuda", "kv-exporter: torch cannot report CUDA memory (%s); observing without it", repr(exc))
-        return None
 
 
 class Sampler:
