@@ -235,7 +235,7 @@ def _measure_layer(path: str, layer: object, tensor_type: type[Any], seen: SeenS
             continue
         _checked(tensor, tensor_type, path)
         shown += tensor.numel() * tensor.element_size()
-        allocated += _new_storage_bytes(tensor, seen)
+        allocated += new_storage_bytes(tensor, seen)
     positions = int(keys.shape[-2]) if keys is not None and keys.dim() >= 2 else 0
     return LayerBytes(
         path=path,
@@ -246,7 +246,7 @@ def _measure_layer(path: str, layer: object, tensor_type: type[Any], seen: SeenS
     )
 
 
-def _new_storage_bytes(tensor: Any, seen: SeenStorages) -> int:
+def new_storage_bytes(tensor: Any, seen: SeenStorages) -> int:
     """Bytes of the tensor's storage unless an earlier tensor already counted it.
 
     Keyed by device and data pointer: views (a sliding window's slice) and layers sharing KV point at the

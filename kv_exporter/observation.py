@@ -2,7 +2,8 @@
 
 The hook's sampler (`kv_exporter.plugin`) produces an `Observation` every `KV_EXPORTER_OBSERVE_INTERVAL` seconds; it
 travels in the worker's manifest; the sidecar exports it beside the declarations. Declared figures say what a model
-claims; these say what its live `transformers` cache objects hold, so a wrong claim shows as a difference.
+claims; these say what its live model-local KV holds (`transformers` cache objects, and the other forms
+`kv_exporter.plugin.observe.holders` counts), so a wrong claim shows as a difference.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def build_manifest(runner: Any, phase: Phase, settings: HookSettings, reader: Gp
     declarations = to_declarations(pairs)
     device, base = baseline.measure(runner, identity.device_info(runner), reader)
     # Attribute the caches to this model's modules (those made during load too), then take the first sample.
-    observe.attach(model, declarations, getattr(runner, "device", None))
+    observe.attach(model, declarations, getattr(runner, "device", None), getattr(runner, "kv_caches", None) or ())
     manifest = Manifest(
         engine=identity.engine_identity(runner),
         process=ProcessInfo.current(),

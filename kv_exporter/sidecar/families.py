@@ -204,13 +204,14 @@ def gpu_families(gpus: Sequence[GpuView]) -> list[Metric]:
 def observed_families(observed: Observed) -> list[Metric]:
     held = GaugeRows(
         "model_local_kv_observed_bytes",
-        "Storage the owner's live transformers caches hold at the engine's last observation, each storage counted "
+        "Storage the owner's live model-local KV holds at the engine's last observation (transformers caches, KV in a "
+        "declaring owner's own state, known cache classes' buffers), each storage counted "
         "once, summed over the engine's workers on this GPU (0: a declaring owner holding nothing).",
         OWNER_LABELS,
     )
     peak = GaugeRows(
         "model_local_kv_observed_peak_bytes",
-        "The most the owner's live transformers caches held at any instant between the engine's last two "
+        "The most the owner's live model-local KV held at any instant between the engine's last two "
         "observations (caches a step makes and frees included), each storage counted once, summed over its workers; "
         "absent where a worker does not follow it (KV_EXPORTER_OBSERVE_PEAK=0).",
         OWNER_LABELS,

@@ -1,32 +1,38 @@
 """vllm-omni 0.32.0rc1's real VibeVoice, MiniCPM-o and NemotronVoiceChat KV holders, in .venv-omni32: what each
 declares (kv-exporter's collector, the published manifest) against what it really holds (its tensor storages,
-counted independently, each once) and against what kv-exporter's observation sees today.
+counted independently, each once) and against what kv-exporter's observation sees.
 
 Each model is built from a small random config and driven through the upstream code that allocates its KV
-(kvx_omni_testplugin.real_classes, one process per model). Today's observation tracks transformers `Cache` objects
-only: a raw tensor pool (VibeVoice) and a raw-buffer cache class (MiniCPM-o's StreamingAudioKVCache) are measured
-here as held but not observed; the README's tested-with table and docs/vllm-omni.md give the figures.
+(kvx_omni_testplugin.real_classes, one process per model). None of the three holds its declared KV in a transformers
+`Cache` alone: VibeVoice's is a raw tensor pool on the root (observation's rule 1, a declaring owner's state),
+MiniCPM-o's a raw-buffer cache class held in request state (rule 2, a known class; plugin/observe/holders.py), and
+NemotronVoiceChat's a transformers cache it never declares. The README's tested-with table and docs/vllm-omni.md
+give the figures.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kv_exporter.manifest import Manifest, read_manifest
+from kv_exporter.gpu import GpuMemory
+from kv_exporter.manifest import DeviceInfo, Manifest, read_manifest
 from kv_exporter.observation import UNATTRIBUTED_OWNER, ObservationState
 from kv_exporter.sidecar.liveness import State, Verdict
 from kv_exporter.sidecar.observed import OwnerView
 from kv_exporter.sidecar.observed import observe as sidecar_view
 from kv_exporter.sidecar.records import GpuResult, ManifestEntry
+from kv_exporter.sidecar.snapshot import build_snapshot
 from tests.omni.omni_server import CHECKOUT_PATHS, OMNI_032
 
 RELEASE = OMNI_032  # conftest skips these tests, with the reason, while .venv-omni32 is not built
 MAX_NUM_SEQS = 4  # real_classes.MAX_NUM_SEQS
+GPU_UUID = "GPU-00000000-0000-0000-0000-0000000000aa"
 
 
 MODELS = ("vibevoice", "minicpmo", "nemotron")
@@ -72,7 +78,12 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Manife
                 proc.wait()
 
 
-def test_vibevoice_declares_its_negative_pool_to_the_byte_and_observation_does_not_see_it(
+def peaks(manifest: Manifest) -> dict[str, int]:
+    assert manifest.observation is not None and manifest.observation.peaks_followed
+    return {o.owner: o.peak_bytes for o in manifest.observation.owners}
+
+
+def test_vibevoice_declares_its_negative_pool_and_observation_sees_it_to_the_byte(
     measured: dict[str, tuple[Manifest, dict[str, Any]]],
 ) -> None:
     manifest, held = measured["vibevoice"]
@@ -90,14 +101,33 @@ def test_vibevoice_declares_its_negative_pool_to_the_byte_and_observation_does_n
     assert held["block_table"] == 4 * MAX_NUM_SEQS * (declared.physical_capacity_positions // 16)
     # allocate() itself refuses this machine's CPU (its CUDA check comes first).
     assert "requires a CUDA device" in held["cpu_allocate_refused"]
-    # Today's observation sees no transformers Cache: the declaring root shows 0 while it holds the pool.
-    assert observed(manifest) == {"": (0, 0)}
-    # ... so the sidecar sees a full ceiling and nothing held: the pool reads as declared but never allocated.
+    # The root's state holds the pool (negative_kv._kv_caches): observed to the byte, one holder, and nothing else
+    # the root holds (the block table, its config, the attention layers the pool keeps) is counted.
+    assert observed(manifest) == {"": (held["kv_pool"], 1)}
+    assert peaks(manifest) == {"": held["kv_pool"]}
     view = views(manifest, held["manifest"])[""]
-    assert (view.observed_bytes, view.ceiling_bytes) == (0, held["kv_pool"])
+    assert (view.observed_bytes, view.ceiling_bytes, view.unexplained_bytes) == (held["kv_pool"],) * 2 + (0,)
+    # Nothing runs: all of it is resident beyond the estimate, so the projection does not add it again.
+    assert view.resident_bytes == held["kv_pool"]
 
 
-def test_minicpmo_declares_one_session_at_the_position_ceiling_and_observation_does_not_see_its_buffers(
+def test_vibevoice_projected_peak_holds_the_resident_pool_once(
+    measured: dict[str, tuple[Manifest, dict[str, Any]]],
+) -> None:
+    manifest, held = measured["vibevoice"]
+    on_gpu = replace(manifest, device=DeviceInfo("cuda", 0, GPU_UUID))
+    used = 10 * held["kv_pool"]  # NVML's used figure holds the pool already
+    device = GpuMemory(0, GPU_UUID, "test GPU", 100 * held["kv_pool"], used, 90 * held["kv_pool"])
+    entries = [ManifestEntry(held["manifest"], on_gpu, Verdict(State.LIVE, "test"))]
+    assert on_gpu.observation is not None
+    snapshot = build_snapshot(
+        entries, [], GpuResult(True, "simulated", (device,)), taken_at=on_gpu.observation.taken_at
+    )
+    [gpu] = snapshot.gpus
+    assert (gpu.resident, gpu.projected_peak) == (held["kv_pool"], used)
+
+
+def test_minicpmo_declares_one_session_at_the_position_ceiling_and_observation_sees_its_buffers(
     measured: dict[str, tuple[Manifest, dict[str, Any]]],
 ) -> None:
     manifest, held = measured["minicpmo"]
@@ -109,10 +139,18 @@ def test_minicpmo_declares_one_session_at_the_position_ceiling_and_observation_d
     per_position = declared.bytes_per_row // declared.physical_capacity_positions
     assert held["buffers"] == per_position * sum(held["capacities"])
     assert held["buffers"] < declared.peak_bytes(MAX_NUM_SEQS)
-    # StreamingAudioKVCache is not a transformers Cache: the declaring encoder shows 0 while it holds the buffers.
-    assert observed(manifest) == {"thinker.apm": (0, 0)}
+    # StreamingAudioKVCache is no transformers Cache, and the sessions live outside the module tree: each session's
+    # buffer is charged to the encoder whose declaration its geometry matches, to the byte.
+    assert observed(manifest) == {"thinker.apm": (held["buffers"], held["sessions"])}
+    assert peaks(manifest) == {"thinker.apm": held["buffers"]}
     view = views(manifest, held["manifest"])["thinker.apm"]
-    assert (view.observed_bytes, view.ceiling_bytes) == (0, declared.peak_bytes(MAX_NUM_SEQS))
+    assert (view.observed_bytes, view.ceiling_bytes) == (held["buffers"], declared.peak_bytes(MAX_NUM_SEQS))
+    assert view.unexplained_bytes == 0
+    # Between two samples the first session grew past its page: the new buffer was allocated while the old one
+    # lived, and that instant is the peak; at the sample, the two sessions' buffers as they are now.
+    assert held["grown_capacity"] == 2 * held["page_positions"]
+    assert held["later"] == {"thinker.apm": [held["grown_buffers"], held["sessions"], held["grown_instant"]]}
+    assert held["grown_instant"] == per_position * (held["page_positions"] * 4)
 
 
 def test_nemotron_declares_nothing_and_its_transformers_cache_is_unexplained_to_the_byte(

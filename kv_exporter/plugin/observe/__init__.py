@@ -21,6 +21,7 @@ from typing import Any
 from kv_exporter.dtypes import dtype_name
 from kv_exporter.observation import CudaUnavailable, Observation, ObservationState, OwnerObservation, UnreadableCaches
 from kv_exporter.plugin.observe.cuda import CudaAllocator
+from kv_exporter.plugin.observe.holders import Holders
 from kv_exporter.plugin.observe.owners import Geometry, ModelMap
 from kv_exporter.plugin.observe.registry import Registry
 from kv_exporter.plugin.observe.sampler import Pacer, Sampler, Totals, measure
@@ -38,6 +39,7 @@ class _Observer:
 
     def __init__(self) -> None:
         self.registry = Registry()
+        self.holders = Holders.active = Holders()  # the other forms model-local KV takes
         self.interval_s: float | None = None  # from the environment, read once
         self.peak: bool | None = None  # KV_EXPORTER_OBSERVE_PEAK, likewise
         self.cuda = CudaAllocator()
@@ -71,12 +73,16 @@ class _Observer:
         if reason:
             return self._result(ObservationState.UNAVAILABLE, reason, taken_at, started, warm_up_ended)
         try:
-            if self.registry.follows_peaks:
+            follows = self.registry.follows_peaks
+            if follows:
                 peaks = self.registry.take_peaks()  # first: reading a cache settles which owner it is
             else:
                 self.registry.settle_candidates()
                 peaks = {}
-            totals = measure(self.registry.entries(), Pacer(pause))
+            stored_peaks = self.holders.take_peaks()
+            totals = measure(self.registry.entries(), Pacer(pause), self.holders)
+            if follows:
+                add_other_forms(peaks, totals, stored_peaks)
         except Exception as exc:
             reason = f"the sample failed: {exc!r}"
             warn_once("observe:failing", "kv-exporter: %s; trying again at the next interval", reason)
@@ -139,6 +145,15 @@ def owners(
     return figures, unreadable
 
 
+def add_other_forms(peaks: dict[str, int], totals: Totals, stored_peaks: dict[str, int]) -> None:
+    """Add to each owner's cache peak what it holds in other forms: its state at the sample (allocated once, at
+    load: it does not move between samples) and the most its known classes' stored tensors held since the previous
+    sample. An owner holding several forms gets the sum of their peaks: an upper bound of its joint peak."""
+    for owner in {*totals.in_state, *totals.stored, *stored_peaks}:
+        stored = max(totals.stored.get(owner, 0), stored_peaks.get(owner, 0))
+        peaks[owner] = peaks.get(owner, 0) + totals.in_state.get(owner, 0) + stored
+
+
 _observer = _Observer()
 
 
@@ -159,16 +174,16 @@ def patches(settings: HookSettings) -> dict[str, Callable[[ModuleType], None]]:
     """
     _observer.interval_s = settings.observe_interval_s
     _observer.peak = settings.observe_peak
-    return {CACHE_MODULE: patch_cache_module} if settings.observing else {}
+    return {CACHE_MODULE: patch_cache_module, **_observer.holders.patches()} if settings.observing else {}
 
 
-def attach(model: object, declarations: Iterable[Any], device: object = None) -> None:
+def attach(model: object, declarations: Iterable[Any], device: object = None, engine_kv: Iterable[Any] = ()) -> None:
     """Attribute caches to `model`'s modules from now on, and those created before (during load) now.
 
     `declarations`: the manifest's (owner, layers, kv_heads, head_dim, dtype are read), or owner paths alone (owners
     whose geometry is unknown: a cache a module below one makes is never charged to it). `device`: the worker's torch
-    device (a CUDA one adds the allocator's figures, observe/cuda.py); call this from the worker's own thread. Never
-    raises.
+    device (a CUDA one adds the allocator's figures, observe/cuda.py); `engine_kv`: the engine's paged KV tensors
+    (the runner's `kv_caches`), never counted as model-local. Call this from the worker's own thread. Never raises.
     """
     if _observer.interval() <= 0:
         return
@@ -176,7 +191,10 @@ def attach(model: object, declarations: Iterable[Any], device: object = None) ->
         torch: Any = sys.modules.get("torch")
         module_type = torch.nn.Module if torch is not None else object
         _observer.cuda.attach(device, torch)
-        _observer.registry.attach(model, declared_geometries(declarations), module_type)
+        registry = _observer.registry
+        registry.attach(model, declared_geometries(declarations), module_type)
+        if registry.model is not None:
+            _observer.holders.attach(registry.model, registry.installed_on, module_type, engine_kv)
     except Exception as exc:
         warn_once("observe:attach", "kv-exporter: cannot attribute caches to the model's modules (%s)", repr(exc))
 

@@ -17,8 +17,17 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kv_exporter.cachebytes import NotACache, NotATensor, SeenStorages, StorageUnavailable, held_bytes, inner_caches
+from kv_exporter.cachebytes import (
+    NotACache,
+    NotATensor,
+    SeenStorages,
+    StorageUnavailable,
+    held_bytes,
+    inner_caches,
+    new_storage_bytes,
+)
 from kv_exporter.observation import UNATTRIBUTED_OWNER, Observation, UnreadableReason
+from kv_exporter.plugin.observe.holders import Holders
 from kv_exporter.plugin.observe.registry import Entry
 from kv_exporter.plugin.oncelog import warn_once
 
@@ -46,18 +55,27 @@ class Pacer:
 
 @dataclass
 class Totals:
-    """One sample's figures: owner -> (storage bytes, cache objects), and (owner, reason) -> caches left out."""
+    """One sample's figures: owner -> (storage bytes, cache objects), and (owner, reason) -> caches left out; of the
+    bytes, those in other forms than transformers caches (holders.py): in a declaring owner's state, and stored by
+    known cache classes."""
 
     held: dict[str, tuple[int, int]] = field(default_factory=dict)
     unreadable: Counter[tuple[str, UnreadableReason]] = field(default_factory=Counter)
+    in_state: Counter[str] = field(default_factory=Counter)
+    stored: Counter[str] = field(default_factory=Counter)
+
+    def add(self, owner: str, nbytes: int, objects: int) -> None:
+        held, caches = self.held.get(owner, (0, 0))
+        self.held[owner] = (held + nbytes, caches + objects)
 
 
-def measure(entries: Sequence[Entry], pace: Callable[[], None]) -> Totals:
-    """The figures over the live `entries`, each storage counted once over all.
+def measure(entries: Sequence[Entry], pace: Callable[[], None], holders: Holders | None = None) -> Totals:
+    """The figures over the live `entries` and what `holders` finds, each storage counted once over all.
 
     An EncoderDecoderCache counts as one cache holding both halves; its halves are not counted again on their own.
     A cache that cannot be read costs only itself: it is left out of its owner's figures and counted by reason (a
-    storage it shares with a readable cache is still counted there).
+    storage it shares with a readable cache is still counted there). A known class's stored tensor counts as one
+    cache; an owner's state as one, however many tensors it holds.
     """
     halves: set[int] = set()
     for entry in entries:
@@ -71,14 +89,32 @@ def measure(entries: Sequence[Entry], pace: Callable[[], None]) -> Totals:
             owner = UNATTRIBUTED_OWNER if entry.owner is None else entry.owner
             nbytes, reason = _held(cache, seen)
             if reason is None:
-                held, caches = totals.held.get(owner, (0, 0))
-                totals.held[owner] = (held + nbytes, caches + 1)
+                totals.add(owner, nbytes, 1)
             else:
                 totals.unreadable[owner, reason] += 1
         del cache  # held only while it is read: a reference kept across a pause would delay a release
         pace()
+    if holders is not None:
+        _measure_holders(holders, seen, totals, pace)
     seen.clear(pace)  # freeing 56,000 keys (1,000 caches of 28 layers) at once would take ~1.5 ms
     return totals
+
+
+def _measure_holders(holders: Holders, seen: SeenStorages, totals: Totals, pace: Callable[[], None]) -> None:
+    states: set[str] = set()
+    for owner, tensor, stored in holders.tensors(pace):
+        try:
+            nbytes = new_storage_bytes(tensor, seen)
+        except StorageUnavailable:
+            totals.unreadable[owner, UnreadableReason.NO_STORAGE] += 1
+            continue
+        objects = 1 if stored or owner not in states else 0  # an owner's state is one holder
+        if not stored:
+            states.add(owner)
+        totals.add(owner, nbytes, objects)
+        (totals.stored if stored else totals.in_state)[owner] += nbytes
+        del tensor
+        pace()
 
 
 def _halves(entry: Entry) -> list[int]:

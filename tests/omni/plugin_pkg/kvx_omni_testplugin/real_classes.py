@@ -129,6 +129,16 @@ def minicpmo() -> tuple[Any, dict[str, Any]]:
         "lengths": [session.length for session in sessions],
         "page_positions": sessions[0].page_positions,
     }
+
+    def grow() -> dict[str, Any]:
+        """After the first sample: the first session grows past its page (the real reserve: a larger buffer,
+        allocated while the old one lives, the committed prefix copied, the old one dropped)."""
+        old = storage_bytes([sessions[0]._buffer])
+        sessions[0].reserve(sessions[0].capacity + 1, dtype=sessions[0]._buffer.dtype, device=torch.device("cpu"))
+        now = storage_bytes(session._buffer for session in sessions)
+        return {"grown_capacity": sessions[0].capacity, "grown_buffers": now, "grown_instant": now + old}
+
+    AFTER_PUBLISH["minicpmo"] = grow
     return root, held
 
 
@@ -166,6 +176,10 @@ def nemotron() -> tuple[Any, dict[str, Any]]:
     return talker, held
 
 
+# What a model does between its published sample and a second one (its figures join held.json; the second
+# observation's owners are written as "later": owner -> [bytes, caches, peak_bytes]).
+AFTER_PUBLISH: dict[str, Callable[[], dict[str, Any]]] = {}
+
 MODELS: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
     "vibevoice": vibevoice,
     "minicpmo": minicpmo,
@@ -194,6 +208,11 @@ def main() -> None:
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
     )
     path = publish(runner, Phase.LOAD, settings)
+    after = AFTER_PUBLISH.get(args.model)
+    if after is not None:
+        held.update(after())
+        later = observe.observe(pause=lambda: None)
+        held["later"] = {o.owner: [o.bytes, o.caches, o.peak_bytes] for o in later.owners}
     observe.stop()
     assert path is not None
     # The hook removes its manifests when the process exits: keep a copy for the test.

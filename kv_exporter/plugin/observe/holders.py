@@ -1,0 +1,314 @@
+"""Model-local KV in forms other than a transformers `Cache`: a declaring owner's own tensors, and known cache classes
+that live outside the model's module tree. What counts (docs/cache-bytes.md, "Beyond transformers caches"):
+
+1. **A declaring owner's own state.** Every tensor reachable from the owner module's own attributes and registered
+   buffers, through lists, tuples, sets, dicts and plain objects, at most `STATE_DEPTH` steps away, that has the
+   dtype of one of the owner's declarations and a whole number of that declaration's KV vectors (kv_heads x
+   head_dim elements). Never through another module (it has its own figures; vLLM's attention modules hold the
+   engine's paged KV), a transformers `Cache` (the tracker counts those) or a known cache class (rule 2); never a
+   parameter, nor a storage of the engine's paged KV (the runner's `kv_caches`), wherever it is held. VibeVoice's
+   negative-CFG pool (bf16 K/V pages on `negative_kv`) counts; its int32 block table, the owner's float32 rotary
+   buffers, its config objects do not.
+2. **Known cache classes** (`KNOWN_CLASSES`): the tensors their allocating methods store, from the moment they are
+   stored until they are released, charged to the one declaring owner whose declaration their geometry matches
+   (layers, KV heads, head size, dtype), else `unattributed`. vllm-omni 0.32's `StreamingAudioKVCache` (MiniCPM-o's
+   streaming audio encoder sessions and its CUDA-graph encoder's static caches) is held in the duplex runtime's
+   request state, and its `slots=True` instances cannot be weakly referenced: its buffer tensor is what is followed.
+
+Every storage is counted once, together with the caches' (one `SeenStorages` a sample). The state walk runs at the
+sample, in the sampler's slices; rule 2 costs nothing on the step path (its methods run once per page of growth),
+and follows the high-water mark between samples: each stored tensor's bytes are added when stored and taken off
+when released.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from types import BuiltinFunctionType, FunctionType, MethodType, ModuleType
+from typing import Any
+
+from kv_exporter.observation import UNATTRIBUTED_OWNER
+from kv_exporter.plugin.observe.owners import Geometry, ModelMap
+from kv_exporter.plugin.oncelog import warn_once
+
+STATE_DEPTH = 4  # owner -> attribute -> container or object -> ... -> tensor (VibeVoice: 3)
+STATE_MAX_OBJECTS = 20_000  # a walk that meets more (a huge config graph) stops there and says so once
+PATCHED_MARK = "__kv_exporter_holder__"
+
+
+@dataclass(frozen=True)
+class KnownClass:
+    """A non-transformers cache class: where it is defined, the methods after which its KV tensors are read, the
+    attributes holding them, and the geometry they have (from the instance and one of its tensors)."""
+
+    module: str
+    name: str
+    allocating: tuple[str, ...]
+    tensors: tuple[str, ...]
+    geometry: Callable[[Any, Any], Geometry]
+
+
+def _streaming_audio_geometry(cache: Any, tensor: Any) -> Geometry:
+    """StreamingAudioKVCache: [layers, 2, capacity, embed_dim], embed_dim = heads x head size."""
+    heads = int(cache.num_heads)
+    return Geometry(int(cache.num_layers), heads, int(cache.embed_dim) // heads, _dtype(tensor))
+
+
+KNOWN_CLASSES = (
+    KnownClass(
+        "vllm_omni.model_executor.models.minicpmo_4_5.streaming_audio_encoder",
+        "StreamingAudioKVCache",
+        allocating=("reserve",),
+        tensors=("_buffer",),
+        geometry=_streaming_audio_geometry,
+    ),
+)
+
+
+class _Stored:
+    """A tensor a known cache class stored: weakly held, with its geometry, bytes when stored and owner."""
+
+    __slots__ = ("geometry", "nbytes", "owner", "ref")
+
+    def __init__(self, ref: weakref.ref[Any], geometry: Geometry, nbytes: int, owner: str | None) -> None:
+        self.ref, self.geometry, self.nbytes, self.owner = ref, geometry, nbytes, owner
+
+
+class Holders:
+    """Rules 1 and 2 above for one process: the known classes' stored tensors, and the declaring owners' modules."""
+
+    active: Holders | None = None  # where the patched methods report (the process's observer's; tests replace it)
+
+    def __init__(self) -> None:
+        # The stored tensors: added in the model's thread, released in any. Reentrant: a collection while it is
+        # held can release a stored tensor in the same thread.
+        self._lock = threading.RLock()
+        self._stored: dict[int, _Stored] = {}  # id(tensor) -> its record, while it lives
+        self._now: dict[str, int] = {}  # owner -> bytes its stored tensors hold (rule 2)
+        self._peak: dict[str, int] = {}  # owner -> the most they held since the last take_peaks
+        self._model: ModelMap | None = None
+        self._owners: dict[str, weakref.ref[Any]] = {}  # declaring path -> its module
+        self._known: tuple[type, ...] = ()  # the known classes found: rule 1 never enters them
+        self._skip: tuple[type, ...] = ()  # nor modules, nor transformers caches (set by `attach`)
+        self._engine_kv: set[tuple[str, int]] = set()  # (device, data pointer) of the engine's paged KV storages
+
+    # -- rule 2: known classes -----------------------------------------------------------------------------------
+
+    def patches(self) -> dict[str, Callable[[ModuleType], None]]:
+        """module name -> the patch wrapping its known classes' allocating methods (post-import hook)."""
+        by_module: dict[str, list[KnownClass]] = {}
+        for known in KNOWN_CLASSES:
+            by_module.setdefault(known.module, []).append(known)
+        return {name: functools.partial(self._patch, classes=tuple(known)) for name, known in by_module.items()}
+
+    def _patch(self, module: ModuleType, classes: tuple[KnownClass, ...]) -> None:
+        for known in classes:
+            cls = getattr(module, known.name, None)
+            if not isinstance(cls, type):
+                warn_once(f"holder:{known.name}", "kv-exporter: %s has no class %s", module.__name__, known.name)
+                continue
+            self._known = (*self._known, cls)
+            for name in known.allocating:
+                method = vars(cls).get(name)
+                if callable(method) and not hasattr(method, PATCHED_MARK):
+                    setattr(cls, name, Holders._storing(method, known))
+
+    @staticmethod
+    def _storing(method: Callable[..., Any], known: KnownClass) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def storing(instance: Any, *args: Any, **kwargs: Any) -> Any:
+            # The tensors it holds before are kept until the new ones are counted: a method that grows a buffer
+            # allocates the new one while the old one lives (and copies), so that instant is the peak.
+            previous = [getattr(instance, name, None) for name in known.tensors]
+            result = method(instance, *args, **kwargs)
+            holders = Holders.active
+            if holders is not None:
+                try:
+                    holders.stored(instance, known)
+                except Exception as exc:  # never the model's failure
+                    warn_once("holder:store", "kv-exporter: cannot follow a %s (%r)", known.name, exc)
+            del previous
+            return result
+
+        setattr(storing, PATCHED_MARK, method)
+        return storing
+
+    def stored(self, instance: Any, known: KnownClass) -> None:
+        """After an allocating method: follow each KV tensor `instance` now holds that is not followed yet."""
+        torch: Any = sys.modules.get("torch")
+        for attribute in known.tensors:
+            tensor = getattr(instance, attribute, None)
+            if torch is None or not isinstance(tensor, torch.Tensor):
+                continue
+            with self._lock:
+                record = self._stored.get(id(tensor))
+                if record is not None and record.ref() is tensor:
+                    continue
+                geometry = known.geometry(instance, tensor)
+                nbytes = int(tensor.untyped_storage().nbytes())
+                owner = self._owner_of(geometry)
+                key = id(tensor)
+                ref = weakref.ref(tensor, lambda _, key=key: self._released(key))  # type: ignore[misc]
+                self._stored[key] = _Stored(ref, geometry, nbytes, owner)
+                self._add(owner, nbytes)
+
+    def _released(self, key: int) -> None:
+        with self._lock:
+            record = self._stored.pop(key, None)
+            if record is not None:
+                self._add(record.owner, -record.nbytes)
+
+    def _add(self, owner: str | None, nbytes: int) -> None:
+        name = UNATTRIBUTED_OWNER if owner is None else owner
+        now = self._now[name] = self._now.get(name, 0) + nbytes
+        if now > self._peak.get(name, 0):
+            self._peak[name] = now
+
+    def _owner_of(self, geometry: Geometry) -> str | None:
+        """The one declaring owner whose declaration `geometry` matches; None (unattributed) for none or several."""
+        if self._model is None:
+            return None
+        fitting = [owner for owner, shapes in self._model.declared.items() if geometry in shapes]
+        return fitting[0] if len(fitting) == 1 else None
+
+    def take_peaks(self) -> dict[str, int]:
+        """owner -> the most its stored tensors held since the last call (then: what they hold now)."""
+        with self._lock:
+            peaks, self._peak = self._peak, dict(self._now)
+        return peaks
+
+    # -- the model --------------------------------------------------------------------------------------------------
+
+    def attach(self, model: ModelMap, cache_base: type | None, module_type: type, engine_kv: Iterable[Any]) -> None:
+        """Know the declaring owners' modules and the engine's paged KV tensors (never counted, wherever a state
+        holds them); name the owners of tensors stored before."""
+        self._model = model
+        self._engine_kv = {_storage_key(tensor) for tensor in engine_kv}
+        root = model.root()
+        self._owners = {}
+        for path in model.declaring:
+            module = _submodule(root, path)
+            if module is not None:
+                self._owners[path] = weakref.ref(module)
+        self._skip = (module_type, cache_base) if cache_base is not None else (module_type,)
+        with self._lock:
+            for record in self._stored.values():
+                owner = self._owner_of(record.geometry) if record.owner is None else None
+                if owner is not None:
+                    self._move(record, owner)
+
+    def _move(self, record: _Stored, owner: str) -> None:
+        """An unattributed tensor named: its bytes, and its part of the unattributed peak, go to `owner`."""
+        self._add(None, -record.nbytes)
+        left = self._now[UNATTRIBUTED_OWNER]
+        self._peak[UNATTRIBUTED_OWNER] = max(left, self._peak.get(UNATTRIBUTED_OWNER, 0) - record.nbytes)
+        if not left and not self._peak[UNATTRIBUTED_OWNER]:
+            del self._now[UNATTRIBUTED_OWNER], self._peak[UNATTRIBUTED_OWNER]
+        record.owner = owner
+        self._add(owner, record.nbytes)
+
+    # -- the sample -------------------------------------------------------------------------------------------------
+
+    def tensors(self, pace: Callable[[], None]) -> Iterator[tuple[str, Any, bool]]:
+        """(owner, tensor, stored) for each tensor rule 2 follows (stored) and each rule 1 finds in a declaring
+        owner's state; `pace` is called as the walk goes (the sampler's slices)."""
+        with self._lock:
+            stored = [(record.owner, record.ref) for record in self._stored.values()]
+        for owner, ref in stored:
+            tensor = ref()
+            if tensor is not None:
+                yield (UNATTRIBUTED_OWNER if owner is None else owner), tensor, True
+        model = self._model
+        if model is None:
+            return
+        for path, module_ref in self._owners.items():
+            module = module_ref()
+            if module is not None:
+                for tensor in self._state_tensors(path, module, model.declared.get(path, frozenset()), pace):
+                    yield path, tensor, False
+
+    def _state_tensors(
+        self, path: str, module: Any, declared: frozenset[Geometry], pace: Callable[[], None]
+    ) -> Iterator[Any]:
+        torch: Any = sys.modules.get("torch")
+        if torch is None or not declared:
+            return
+        vectors = {(g.dtype, g.kv_heads * g.head_dim) for g in declared}
+        skip = (*self._skip, *self._known, type, FunctionType, MethodType, BuiltinFunctionType, ModuleType)
+        internals = _module_internals(torch)
+        start = [value for name, value in vars(module).items() if name not in internals]
+        start.extend(getattr(module, "_buffers", {}).values())
+        pending: list[tuple[Any, int]] = [(value, 1) for value in start]
+        seen: set[int] = {id(module)}
+        while pending:
+            value, depth = pending.pop()
+            if id(value) in seen or value is None or isinstance(value, (str, bytes, int, float, bool)):
+                continue
+            seen.add(id(value))
+            pace()
+            if len(seen) > STATE_MAX_OBJECTS:
+                warn_once(f"holder:walk:{path}", "kv-exporter: %r's state is too large to walk in full", path)
+                return
+            if isinstance(value, torch.Tensor):
+                if (
+                    not isinstance(value, torch.nn.Parameter)
+                    and _kv_shaped(value, vectors)
+                    and _storage_key(value) not in self._engine_kv
+                ):
+                    yield value
+                continue
+            if isinstance(value, skip) or depth >= STATE_DEPTH:
+                continue
+            pending.extend((child, depth + 1) for child in _children(value))
+
+
+@functools.cache
+def _module_internals(torch: Any) -> frozenset[str]:
+    """The attributes every torch Module has of its own (its parameters, buffers, submodules, hooks, flags)."""
+    return frozenset(vars(torch.nn.Module()))
+
+
+def _storage_key(tensor: Any) -> tuple[str, int]:
+    return str(tensor.device), int(tensor.untyped_storage().data_ptr())
+
+
+def _kv_shaped(tensor: Any, vectors: set[tuple[str, int]]) -> bool:
+    """The dtype of a declaration, and a whole (non-zero) number of its KV vectors."""
+    numel = int(tensor.numel())
+    dtype = _dtype(tensor)
+    return numel > 0 and any(dtype == want and numel % width == 0 for want, width in vectors)
+
+
+def _dtype(tensor: Any) -> str:
+    """torch's own name of a tensor's dtype ("bfloat16"), as declarations spell theirs (kv_exporter.dtypes)."""
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _children(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(value)
+    if isinstance(value, dict):
+        return list(value.values())
+    children = list(vars(value).values()) if hasattr(value, "__dict__") else []
+    for klass in type(value).__mro__:
+        for name in getattr(klass, "__slots__", ()):
+            if isinstance(name, str) and name not in ("__dict__", "__weakref__"):
+                children.append(getattr(value, name, None))
+    return children
+
+
+def _submodule(root: Any, path: str) -> Any:
+    if root is None:
+        return None
+    try:
+        return root.get_submodule(path) if path else root
+    except (AttributeError, TypeError):
+        return None
+
+
+__all__ = ["KNOWN_CLASSES", "Holders", "KnownClass"]

@@ -1,0 +1,122 @@
+"""Model-local KV outside transformers caches (plugin/observe/holders.py, rule 1): what a declaring owner holds in its
+own state counts to the byte, and nothing else it holds does. The decoys are what real owners keep beside their KV
+(vllm-omni's VibeVoice root: the pool's int32 block table, the attention layers the pool drives, its config; any
+module: parameters, rotary buffers, submodules with their own state). vllm-omni 0.32's real classes are measured in
+tests/omni/test_real_classes_032.py (rule 1 on VibeVoice, rule 2 on MiniCPM-o)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from kv_exporter.cachebytes import measure_cache_bytes
+from kv_exporter.manifest import Declaration
+from kv_exporter.observation import UNATTRIBUTED_OWNER
+from kv_exporter.plugin import observe
+from kv_exporter.protocol import ModelLocalKVScope, ModelLocalKVSpec, RowDriver
+from tests.support.observing import by_owner, observer, sample
+
+__all__ = ["observer"]  # the fixture, imported for pytest
+
+LAYERS, KV_HEADS, HEAD_DIM, SLOTS, PAGE = 2, 2, 16, 4, 16
+DTYPE = torch.bfloat16
+
+
+def spec(dtype: torch.dtype = DTYPE) -> ModelLocalKVSpec:
+    return ModelLocalKVSpec(
+        name="negative_pool",
+        layers=LAYERS,
+        kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+        physical_capacity_positions=PAGE,
+        capacity_source="one page per slot",
+        scope=ModelLocalKVScope.MODEL,
+        rows=RowDriver.MAX_NUM_SEQS,
+    )
+
+
+class Attention(nn.Module):
+    """Stands where vLLM's attention layer stands: the engine's paged KV bound on the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, dtype=DTYPE)
+        self.kv_cache = [torch.zeros(8, 2, PAGE, KV_HEADS, HEAD_DIM, dtype=DTYPE)]
+
+
+class Pool:
+    """A plain object as VibeVoiceNegativeKV is: KV pages per layer, an int32 table, the layers it drives."""
+
+    def __init__(self, layers: list[Attention]) -> None:
+        shape = (SLOTS, KV_HEADS, PAGE, 2 * HEAD_DIM)
+        self.kv_caches = [torch.empty(shape, dtype=DTYPE) for _ in range(LAYERS)]
+        self.block_tables = torch.arange(SLOTS, dtype=torch.int32).reshape(SLOTS, 1)
+        self.attention_layers = layers
+        self.config = SimpleNamespace(block_size=PAGE, max_num_seqs=SLOTS)
+
+
+class Root(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Attention() for _ in range(LAYERS)])
+        self.embed = nn.Parameter(torch.zeros(64, KV_HEADS * HEAD_DIM, dtype=DTYPE))  # KV-shaped: never counted
+        self.register_buffer("inv_freq", torch.ones(HEAD_DIM // 2), persistent=False)
+        self.negative_kv = Pool(list(self.layers))
+        self.first_page = self.negative_kv.kv_caches[0][0]  # a view into the pool: counted once
+        self.positions = torch.zeros(SLOTS, dtype=torch.int64)
+
+
+def declarations(owner: str = "", dtype: torch.dtype = DTYPE) -> list[Declaration]:
+    return [Declaration.from_spec(owner, spec(dtype))]
+
+
+def pool_bytes(root: Root) -> int:
+    return sum(t.untyped_storage().nbytes() for t in root.negative_kv.kv_caches)
+
+
+@pytest.mark.usefixtures("observer")
+def test_a_declaring_owners_pool_counts_to_the_byte_and_nothing_beside_it_does() -> None:
+    root = Root()
+    observe.attach(root, declarations(), torch.device("cpu"))
+    owners = by_owner(sample())
+    pool = pool_bytes(root)
+    assert (owners[""].bytes, owners[""].caches, owners[""].peak_bytes) == (pool, 1, pool)
+    assert set(owners) == {""}  # the attention layers' paged KV, the table, the parameter: nobody's
+
+
+@pytest.mark.usefixtures("observer")
+def test_only_a_declared_dtype_counts() -> None:
+    root = Root()
+    observe.attach(root, declarations(dtype=torch.float16), torch.device("cpu"))
+    assert by_owner(sample())[""].bytes == 0
+
+
+@pytest.mark.usefixtures("observer")
+def test_the_engines_paged_kv_never_counts_wherever_a_declaring_owner_holds_it() -> None:
+    root = Root()
+    attention = root.layers[0]
+    # A declaring module holding the engine's KV (vLLM binds it as `kv_cache`): KV-shaped, in the declared dtype.
+    observe.attach(root, declarations(owner="layers.0"), torch.device("cpu"), engine_kv=attention.kv_cache)
+    assert by_owner(sample())["layers.0"].bytes == 0
+    # Told nothing of the engine's KV, rule 1 would count it: why publish passes the runner's kv_caches.
+    observe.attach(root, declarations(owner="layers.0"), torch.device("cpu"))
+    assert by_owner(sample())["layers.0"].bytes == attention.kv_cache[0].untyped_storage().nbytes()
+
+
+@pytest.mark.usefixtures("observer")
+def test_a_cache_the_owner_keeps_is_the_trackers_and_counted_once() -> None:
+    root = Root()
+    cache = DynamicCache()
+    keys = torch.randn(1, KV_HEADS, 3, HEAD_DIM).to(DTYPE)
+    cache.update(keys, keys.clone(), 0)
+    root.cache = cache
+    root.alias = cache.layers[0].keys  # the cache's own tensor, seen again through the owner's state
+    observe.attach(root, declarations(), torch.device("cpu"))
+    owners = by_owner(sample())
+    assert owners[UNATTRIBUTED_OWNER].bytes == measure_cache_bytes(cache).allocated_bytes  # made outside the model
+    assert owners[""].bytes == pool_bytes(root)
