@@ -4,9 +4,10 @@ On a CUDA machine (`make gpu-proof`, i.e. `python3 -m scripts.gpu_proof` from th
 own python3 and packages):
 1. For each reference geometry (kv_exporter.reference), real transformers caches are built on the GPU through
    their own update paths: Qwen3-TTS's sliding DynamicCache, MiMo-Audio's DynamicCache, MiniCPM-o's
-   EncoderDecoderCache, ming_flash_omni's lazily allocated StaticCache. Each is measured four ways: the
-   delta of torch.cuda.memory_allocated, the storage behind its tensors (measure_cache_bytes), the bytes
-   kv-exporter's tracker observes (the plugin's own sampler code), and the bytes its declaration gives.
+   EncoderDecoderCache, ming_flash_omni's lazily allocated StaticCache. Each is measured five ways: the
+   deltas of the allocator's requested and allocated bytes, the storage behind its tensors (measure_cache_bytes),
+   the bytes kv-exporter's tracker observes (the plugin's own sampler code), and the bytes its declaration gives;
+   then a raw bf16 pool in a declaring module's state (VibeVoice's form) against rule 1 of observe/holders.py.
 2. The allocator's figures the observation carries (plugin/observe/cuda.py) against torch's own counters: the end of
    warm-up, 256 MiB no cache holds (unexplained growth, to the byte), a 1 GiB burst freed between two samples (the
    high-water, exact), a quiet interval (exact), an out-of-memory error (ooms, retries), and the peak never reset.
@@ -36,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-ALLOCATOR_GRANULE = 512  # torch's caching allocator rounds every block up to a multiple of this
+# torch's caching allocator serves a block of more than 1 MiB from a cached segment without splitting off a
+# remainder of at most this much (kSmallSize): memory_allocated counts it, requested_bytes does not.
+UNSPLIT_REMAINDER = 1 << 20
 BATCH = 4  # rows of the max_num_seqs-driven caches
 
 
@@ -47,13 +50,17 @@ class Row:
     storage: int
     observed: int
     allocated: int | None  # torch.cuda.memory_allocated delta; None off CUDA
+    requested: int | None  # the allocator's requested_bytes delta (what was asked for, unrounded); None off CUDA
     tensors: int  # K and V tensors behind the cache: each a block of the allocator
+    metadata: int  # the cache's other tensors (a layer's cumulative_length, a sliding window's size): not KV
 
     def checks(self) -> list[tuple[str, bool]]:
         found = [("tracker == storage", self.observed == self.storage)]
-        if self.allocated is not None:
-            # Nothing else may be allocated; each block is rounded up to the allocator's granule at most.
-            slack = ALLOCATOR_GRANULE * self.tensors
+        if self.allocated is not None and self.requested is not None:
+            # Nothing else may be held: what was asked for is the storage, to the byte; what the allocator counts
+            # adds its rounding and the unsplit remainders of reused blocks.
+            found.append(("requested == storage + metadata", self.requested == self.storage + self.metadata))
+            slack = UNSPLIT_REMAINDER * self.tensors
             found.append(("allocated ~ storage", 0 <= self.allocated - self.storage <= slack))
         return found
 
@@ -77,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print_table(rows)
         return [f"{row.case}: {name}" for row in rows for name, ok in row.checks() if not ok]
 
-    parts = [caches, lambda: allocator_figures(torch), lambda: sidecar_on_nvml(torch)]
+    parts = [caches, lambda: raw_pool(torch), lambda: allocator_figures(torch), lambda: sidecar_on_nvml(torch)]
     failed = [failure for part in parts[: 1 if args.device == "cpu" else None] for failure in isolated(part)]
     for failure in failed:
         print(f"FAILED {failure}")
@@ -175,40 +182,63 @@ def measure_caches(torch: Any, device: Any, observed: Callable[[], int]) -> Iter
     def encoder_decoder(cache: Any, spec: Any) -> Any:
         return fill(cache, spec, 1, spec.physical_capacity_positions, 0, target=cache.cross_attention_cache)
 
-    # The first cache built on a device allocated ~900 KiB more than its storage on an H200 (lazily created CUDA
-    # state, docs/gpu-proof.md): one is built and dropped before anything is measured.
-    with allocated_delta(torch, device) as first_use:
-        cases[0][2]()
-    print(f"first use of the device, before measuring: {first_use()} bytes still allocated after the cache is gone")
     for name, declared_bytes, build in cases:
         with allocated_delta(torch, device) as delta:
             cache = build()
         measured = measure_cache_bytes(cache)
         seen = observed()
-        yield Row(name, declared_bytes, measured.allocated_bytes, seen, delta(), 2 * measured.allocated_layers)
+        allocated, requested = delta()
+        tensors = 2 * measured.allocated_layers
+        metadata = metadata_bytes(cache)
+        yield Row(name, declared_bytes, measured.allocated_bytes, seen, allocated, requested, tensors, metadata)
         del cache
 
 
+def metadata_bytes(cache: Any) -> int:
+    """The storage of the tensors a cache's layers hold beside their keys and values (transformers 5.17: a static
+    layer's int64 `cumulative_length`, a sliding layer's `_sliding_window_tensor`), each once."""
+    import torch
+
+    halves = [
+        getattr(cache, name) for name in ("self_attention_cache", "cross_attention_cache") if hasattr(cache, name)
+    ]
+    layers = [layer for part in (halves or [cache]) for layer in part.layers]
+    storages = {
+        value.untyped_storage().data_ptr(): value.untyped_storage().nbytes()
+        for layer in layers
+        for name, value in vars(layer).items()
+        if isinstance(value, torch.Tensor) and name not in ("keys", "values")
+    }
+    return sum(storages.values())
+
+
 @contextmanager
-def allocated_delta(torch: Any, device: Any) -> Iterator[Callable[[], int | None]]:
-    """torch.cuda.memory_allocated after the block minus before (temporaries freed), or None off CUDA."""
+def allocated_delta(torch: Any, device: Any) -> Iterator[Callable[[], tuple[int | None, int | None]]]:
+    """The allocator's allocated and requested bytes after the block minus before (temporaries freed), or None
+    off CUDA."""
     cuda = device.type == "cuda"
-    if cuda:
+    keys = ("allocated_bytes.all.current", "requested_bytes.all.current")
+
+    def figures() -> tuple[int, int]:
         torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated(device) if cuda else 0
-    result: list[int | None] = [None]
+        stats = torch.cuda.memory_stats(device)
+        return stats[keys[0]], stats[keys[1]]
+
+    before = figures() if cuda else (0, 0)
+    result: list[tuple[int | None, int | None]] = [(None, None)]
     yield lambda: result[0]
     if cuda:
-        torch.cuda.synchronize()
-        result[0] = torch.cuda.memory_allocated(device) - before
+        after = figures()
+        result[0] = (after[0] - before[0], after[1] - before[1])
 
 
 def print_table(rows: list[Row]) -> None:
-    headers = ("case", "declared", "storage", "observed", "cuda allocated")
+    headers = ("case", "declared", "storage", "observed", "metadata", "cuda allocated", "cuda requested")
     cells = [
-        (r.case, str(r.declared), str(r.storage), str(r.observed), "-" if r.allocated is None else str(r.allocated))
+        (r.case, *(str(figure) for figure in (r.declared, r.storage, r.observed, r.metadata)),
+         *("-" if figure is None else str(figure) for figure in (r.allocated, r.requested)))
         for r in rows
-    ]
+    ]  # fmt: skip
     widths = [max(len(row[i]) for row in [headers, *cells]) for i in range(len(headers))]
     for row in [headers, tuple("-" * w for w in widths), *cells]:
         print(
@@ -218,6 +248,45 @@ def print_table(rows: list[Row]) -> None:
         )
     print("bytes; declared = the reference declaration x rows; storage = measure_cache_bytes (the tracker's")
     print("measurement); a sliding layer's storage holds its whole window (72 positions where 71 are declared).")
+    print("metadata: the cache's tensors beside K and V (not KV, not counted); cuda requested: what was asked of")
+    print("torch's allocator (must be storage + metadata); allocated adds its rounding and the unsplit remainders")
+    print("(up to 1 MiB) of cached blocks it reused.")
+
+
+def raw_pool(torch: Any) -> list[str]:
+    """A model-local KV pool of plain tensors in a declaring module's state (VibeVoice's form: one bf16
+    [pages, kv heads, page, 2 x head dim] tensor per layer beside an int32 block table), observed by rule 1 of
+    plugin/observe/holders.py, against what the device allocated for the pool alone. The failures, if any."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from kv_exporter.manifest import Declaration
+    from kv_exporter.plugin import observe
+    from kv_exporter.protocol import ModelLocalKVScope, ModelLocalKVSpec, RowDriver
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    layers, heads, head_dim, pages, page = 4, 8, 128, 64, 16
+    spec = ModelLocalKVSpec(
+        name="negative_pool", layers=layers, kv_heads=heads, head_dim=head_dim, dtype=torch.bfloat16,
+        physical_capacity_positions=pages * page // BATCH, capacity_source="pages per slot",
+        scope=ModelLocalKVScope.MODEL, rows=RowDriver.MAX_NUM_SEQS,
+    )  # fmt: skip
+    root: Any = nn.Module()
+    with allocated_delta(torch, device) as pool_delta:
+        shape = (pages, heads, page, 2 * head_dim)
+        kv = [torch.empty(shape, dtype=torch.bfloat16, device=device) for _ in range(layers)]
+    allocated = pool_delta()[1]  # requested: what the pool asked for
+    pool = SimpleNamespace(kv_caches=kv, block_tables=torch.arange(pages, dtype=torch.int32, device=device))
+    root.negative_kv = pool  # a plain attribute, as VibeVoice's root holds its pool
+    observe.attach(root, [Declaration.from_spec("", spec)], device)
+    owners = {owner.owner: owner.bytes for owner in observe.observe(pause=lambda: None).owners}
+    declared = Declaration.from_spec("", spec).bytes_per_row * BATCH
+    print(f"raw pool (rule 1): declared {declared}, observed {owners.get('')}, cuda requested for the pool {allocated}")
+    failures = []
+    if owners.get("") != allocated or allocated != declared:
+        failures.append(f"raw pool: observed {owners.get('')}, allocated {allocated}, declared {declared}")
+    return failures
 
 
 def allocator_figures(torch: Any) -> list[str]:
