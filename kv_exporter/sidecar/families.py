@@ -258,6 +258,11 @@ def observed_families(observed: Observed) -> list[Metric]:
             state.add_metric((*labels, name.value), int(name is engine.state))
         if engine.age_s is not None:
             age.add_metric(labels, engine.age_s)
+    return [held, peak, caches, unexplained, unreadable, state, age, *_cuda_families(observed)]
+
+
+def _cuda_families(observed: Observed) -> list[Metric]:
+    """The workers' allocator figures (observe/cuda.py), and why a worker has none."""
     allocated = GaugeRows(
         "model_local_kv_observed_cuda_allocated_bytes",
         "torch.cuda.memory_allocated() of the engine's workers on this GPU, at their last observation.",
@@ -268,26 +273,6 @@ def observed_families(observed: Observed) -> list[Metric]:
         "torch.cuda.memory_reserved() of the engine's workers on this GPU, at their last observation.",
         ENGINE_GPU_LABELS,
     )
-    for cuda in observed.cuda:
-        labels = (*_engine(cuda.key), cuda.placement.gpu, cuda.placement.uuid, *_pod(cuda.pod))
-        allocated.add_metric(labels, cuda.allocated_bytes)
-        reserved.add_metric(labels, cuda.reserved_bytes)
-    return [
-        held,
-        peak,
-        caches,
-        unexplained,
-        unreadable,
-        state,
-        age,
-        allocated,
-        reserved,
-        *_allocator_families(observed),
-    ]
-
-
-def _allocator_families(observed: Observed) -> list[Metric]:
-    """The allocator's figures beyond allocated and reserved (observe/cuda.py), and why a worker has none."""
     peak = GaugeRows(
         "model_local_kv_observed_cuda_peak_bytes",
         "The most torch's allocator held on this GPU since its peak was last reset (by vLLM's profiler at start-up; "
@@ -327,8 +312,12 @@ def _allocator_families(observed: Observed) -> list[Metric]:
         "Allocations torch's allocator failed for good: out-of-memory errors raised in the worker (num_ooms).",
         labels=list(ENGINE_GPU_LABELS),
     )
-    for cuda in (view for view in observed.cuda if view.detailed):
+    for cuda in observed.cuda:
         labels = (*_engine(cuda.key), cuda.placement.gpu, cuda.placement.uuid, *_pod(cuda.pod))
+        allocated.add_metric(labels, cuda.allocated_bytes)
+        reserved.add_metric(labels, cuda.reserved_bytes)
+        if not cuda.detailed:  # a version 3 worker wrote only those two
+            continue
         peak.add_metric(labels, cuda.peak_bytes)
         high_water.add_metric(labels, cuda.high_water_bytes)
         floor.add_metric(labels, cuda.high_water_floor_bytes)
@@ -345,7 +334,7 @@ def _allocator_families(observed: Observed) -> list[Metric]:
     )
     for missing in observed.cuda_unavailable:
         unavailable.add_metric((*_engine(missing.key), *_pod(missing.pod), missing.reason), missing.workers)
-    return [peak, high_water, floor, warm, growth, retries, ooms, unavailable]
+    return [allocated, reserved, peak, high_water, floor, warm, growth, retries, ooms, unavailable]
 
 
 def exporter_families(snapshot: Snapshot) -> list[Metric]:

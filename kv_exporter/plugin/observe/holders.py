@@ -127,7 +127,10 @@ class Holders:
             previous = [getattr(instance, name, None) for name in known.tensors]
             result = method(instance, *args, **kwargs)
             holders = Holders.active
-            if holders is not None:
+            unchanged = all(
+                getattr(instance, name, None) is was for name, was in zip(known.tensors, previous, strict=True)
+            )
+            if holders is not None and not unchanged:  # most calls find room and store nothing
                 try:
                     holders.stored(instance, known)
                 except Exception as exc:  # never the model's failure
