@@ -149,8 +149,16 @@ def test_minicpmo_declares_one_session_at_the_position_ceiling_and_observation_s
     # Between two samples the first session grew past its page: the new buffer was allocated while the old one
     # lived, and that instant is the peak; at the sample, the two sessions' buffers as they are now.
     assert held["grown_capacity"] == 2 * held["page_positions"]
-    assert held["later"] == {"thinker.apm": [held["grown_buffers"], held["sessions"], held["grown_instant"]]}
+    grown = [held["grown_buffers"], held["sessions"], held["grown_instant"]]
+    assert held["after_failed_capture"] == {"thinker.apm": grown}
     assert held["grown_instant"] == per_position * (held["page_positions"] * 4)
+    # The CUDA-graph encoder's capture, refused here (no CUDA), stores nothing; the static KV input a capture leaves
+    # ([layers, 2, 2 sessions, 250 + unit positions, embed]) is the encoder's, to the byte, and its mel and mask
+    # buffers beside it are not counted.
+    assert held["capture_refused"]
+    now = held["grown_buffers"] + held["graph_cache"]
+    assert held["later"] == {"thinker.apm": [now, held["sessions"] + 1, now]}
+    assert held["graph_cache"] % (2 * per_position) == 0  # whole positions of 2 sessions
 
 
 def test_nemotron_declares_nothing_and_its_transformers_cache_is_unexplained_to_the_byte(

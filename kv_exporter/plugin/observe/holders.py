@@ -12,8 +12,9 @@ that live outside the model's module tree. What counts (docs/cache-bytes.md, "Be
 2. **Known cache classes** (`KNOWN_CLASSES`): the tensors their allocating methods store, from the moment they are
    stored until they are released, charged to the one declaring owner whose declaration their geometry matches
    (layers, KV heads, head size, dtype), else `unattributed`. vllm-omni 0.32's `StreamingAudioKVCache` (MiniCPM-o's
-   streaming audio encoder sessions and its CUDA-graph encoder's static caches) is held in the duplex runtime's
-   request state, and its `slots=True` instances cannot be weakly referenced: its buffer tensor is what is followed.
+   streaming audio encoder sessions) is held in the duplex runtime's request state, and its `slots=True` instances
+   cannot be weakly referenced: its buffer tensor is what is followed. Its `StreamingAudioGraphEncoder` (held by the
+   thinker, which declares nothing) keeps one static KV input for all its CUDA graphs, captured lazily.
 
 Every storage is counted once, together with the caches' (one `SeenStorages` a sample). The state walk runs at the
 sample, in the sampler's slices; rule 2 costs nothing on the step path (its methods run once per page of growth),
@@ -59,13 +60,30 @@ def _streaming_audio_geometry(cache: Any, tensor: Any) -> Geometry:
     return Geometry(int(cache.num_layers), heads, int(cache.embed_dim) // heads, _dtype(tensor))
 
 
+def _graph_encoder_geometry(encoder: Any, tensor: Any) -> Geometry:
+    """StreamingAudioGraphEncoder's static cache: [layers, 2, batch, positions, embed_dim]."""
+    heads = int(encoder.num_heads)
+    return Geometry(int(tensor.shape[0]), heads, int(encoder.embed_dim) // heads, _dtype(tensor))
+
+
+_MINICPMO = "vllm_omni.model_executor.models.minicpmo_4_5"
 KNOWN_CLASSES = (
+    # One duplex session's encoder KV, grown in pages.
     KnownClass(
-        "vllm_omni.model_executor.models.minicpmo_4_5.streaming_audio_encoder",
+        f"{_MINICPMO}.streaming_audio_encoder",
         "StreamingAudioKVCache",
         allocating=("reserve",),
         tensors=("_buffer",),
         geometry=_streaming_audio_geometry,
+    ),
+    # The CUDA-graph encoder's static KV input, allocated by `capture` on the first duplex request (after the
+    # engine's profiling); its mel, mask and position buffers beside it are not KV.
+    KnownClass(
+        f"{_MINICPMO}.streaming_audio_encoder_graph",
+        "StreamingAudioGraphEncoder",
+        allocating=("capture",),
+        tensors=("_cache",),
+        geometry=_graph_encoder_geometry,
     ),
 )
 

@@ -12,6 +12,7 @@ really hold, counted here independently of kv-exporter (each tensor storage once
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterable
@@ -22,6 +23,7 @@ from typing import Any
 from kv_exporter.manifest import Phase
 from kv_exporter.plugin import observe
 from kv_exporter.plugin.hooks import install_post_import
+from kv_exporter.plugin.observe.holders import KNOWN_CLASSES, Holders
 from kv_exporter.plugin.publish import publish
 from kv_exporter.plugin.settings import HookSettings
 
@@ -132,14 +134,54 @@ def minicpmo() -> tuple[Any, dict[str, Any]]:
 
     def grow() -> dict[str, Any]:
         """After the first sample: the first session grows past its page (the real reserve: a larger buffer,
-        allocated while the old one lives, the committed prefix copied, the old one dropped)."""
+        allocated while the old one lives, the committed prefix copied, the old one dropped); then the CUDA-graph
+        encoder's capture, which this CPU's torch refuses before allocating anything, and the buffers a capture
+        leaves (built as `capture` builds them, handed to observation as a returning `capture` hands them)."""
         old = storage_bytes([sessions[0]._buffer])
         sessions[0].reserve(sessions[0].capacity + 1, dtype=sessions[0]._buffer.dtype, device=torch.device("cpu"))
         now = storage_bytes(session._buffer for session in sessions)
-        return {"grown_capacity": sessions[0].capacity, "grown_buffers": now, "grown_instant": now + old}
+        result = {"grown_capacity": sessions[0].capacity, "grown_buffers": now, "grown_instant": now + old}
+        graph = graph_encoder(thinker.apm)
+        try:
+            graph.capture()
+        except Exception as exc:  # no CUDA stream on this machine
+            result["capture_refused"] = f"{type(exc).__name__}: {exc}"
+        result["after_failed_capture"] = figures(observe.observe(pause=lambda: None))
+        batch, total = graph.max_batch, graph.max_cache_bucket + graph.unit_length
+        zeros = functools.partial(torch.zeros, dtype=graph.dtype, device=graph.device)
+        graph._mel = zeros((batch, int(graph.encoder.config.num_mel_bins), graph.unit_frames))
+        graph._cache = zeros((len(graph.encoder.layers), 2, batch, total, graph.embed_dim))
+        graph._mask = zeros((batch, 1, graph.unit_length, total))
+        (known,) = [k for k in KNOWN_CLASSES if k.name == type(graph).__name__]
+        assert Holders.active is not None
+        Holders.active.stored(graph, known)
+        thinker._duplex_audio_cuda_graph_encoder = graph  # where build_streaming_audio_graph_encoder keeps it
+        result["graph_cache"] = storage_bytes([graph._cache])
+        return result
 
     AFTER_PUBLISH["minicpmo"] = grow
     return root, held
+
+
+def graph_encoder(encoder: Any) -> Any:
+    """MiniCPM-o's StreamingAudioGraphEncoder on `encoder` with the fields its real __init__ sets (which refuses a
+    CPU encoder first), for one batch of up to 2 sessions and one 250-position cache bucket."""
+    from vllm_omni.model_executor.models.minicpmo_4_5 import streaming_audio_encoder_graph as graphs
+
+    graph = graphs.StreamingAudioGraphEncoder.__new__(graphs.StreamingAudioGraphEncoder)
+    weight, config = encoder.conv1.weight, encoder.config
+    graph.encoder, graph.device, graph.dtype = encoder, weight.device, weight.dtype
+    graph.embed_dim, graph.num_heads = int(config.d_model), int(config.encoder_attention_heads)
+    graph.unit_frames = 40
+    graph.unit_length = graphs.steady_unit_length(graph.unit_frames)
+    graph.batch_sizes, graph.cache_buckets = (1, 2), (250,)
+    graph.max_batch, graph.max_cache_bucket = 2, 250
+    graph._graphs = {}
+    return graph
+
+
+def figures(observation: Any) -> dict[str, list[int]]:
+    return {o.owner: [o.bytes, o.caches, o.peak_bytes] for o in observation.owners}
 
 
 def nemotron() -> tuple[Any, dict[str, Any]]:
@@ -211,8 +253,7 @@ def main() -> None:
     after = AFTER_PUBLISH.get(args.model)
     if after is not None:
         held.update(after())
-        later = observe.observe(pause=lambda: None)
-        held["later"] = {o.owner: [o.bytes, o.caches, o.peak_bytes] for o in later.owners}
+        held["later"] = figures(observe.observe(pause=lambda: None))
     observe.stop()
     assert path is not None
     # The hook removes its manifests when the process exits: keep a copy for the test.
