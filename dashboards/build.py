@@ -286,37 +286,7 @@ def observed_row() -> list[Panel]:
         f"{on_gpus('model_local_kv_observation_state')} == 1",
         f"{ENGINE_LEGEND} · {{{{state}}}}",
     )
-    allocator = graph(
-        "Worker allocator: now, at the end of warm-up, growth no observed KV explains",
-        "torch's caching allocator in the engine's workers on the GPU: allocated now, the most allocated between "
-        "two samples (at most), allocated when warm-up ended, and the growth since then that no observed "
-        "model-local KV explains (memory outside every observed container). CUDA workers only; out-of-memory "
-        "errors alert (ModelLocalKVWorkerOutOfMemory).",
-        "bytes",
-        [
-            query(f"sum by ({ALLOCATOR_KEY}) ({sel(name, DECLARATION)})", f"{label} · {ALLOCATOR_LEGEND}", ref)
-            for ref, (label, name) in zip(
-                "ABCD",
-                (
-                    ("allocated", "model_local_kv_observed_cuda_allocated_bytes"),
-                    ("high-water", "model_local_kv_observed_cuda_high_water_bytes"),
-                    ("at warm-up end", "model_local_kv_observed_cuda_warm_allocated_bytes"),
-                    ("unexplained growth", "model_local_kv_observed_cuda_unexplained_growth_bytes"),
-                ),
-                strict=True,
-            )
-        ],
-    ).override_by_regexp("^at warm-up end.*", DASHED)
-    return [
-        beside.height(9).span(12),
-        unexplained.height(9).span(12),
-        allocator.height(9).span(24),
-        state.height(5).span(24),
-    ]
-
-
-ALLOCATOR_KEY = "instance, namespace, pod, model_name, stage, engine, gpu"
-ALLOCATOR_LEGEND = f"{ENGINE_LEGEND} · GPU {{{{gpu}}}}"
+    return [beside.height(9).span(12), unexplained.height(9).span(12), state.height(5).span(24)]
 
 
 def on_gpus(metric: str) -> str:

@@ -25,19 +25,19 @@ from dataclasses import dataclass
 
 from kv_exporter.manifest import Manifest, PodInfo
 from kv_exporter.sidecar.engine_page import EngineKey
-from kv_exporter.sidecar.observed import ObservedState
+from kv_exporter.sidecar.observed import CUDA_DETAIL_SINCE, ObservedState
 from kv_exporter.sidecar.records import ManifestEntry, engine_key
 
 # The per-declaration families (bytes per row, ceiling, estimate, positions, info), the per-owner ones (observed
 # bytes, peak bytes where followed, cache objects, unexplained bytes; and one per reason its unreadable caches have),
-# and the
-# per-engine ones: running, max_num_seqs, up, manifests, one
-# observation state per state, its age, torch's two figures.
+# and the per-engine ones: running, max_num_seqs, up, manifests, one observation state per state, its age, and the
+# allocator's figures (at most nine: allocated, reserved, peak, two high-water bounds, retries, OOMs, warm-up
+# allocated, unexplained growth) or the reason there are none.
 SERIES_PER_DECLARATION = 5
 SERIES_PER_OWNER = 4
 _ENGINE_SERIES = 4 + 1  # the four engine gauges and the observation age: labelled by engine and pod
-_ENGINE_GPU_SERIES = 2  # torch's figures: by engine, GPU and pod
-SERIES_PER_ENGINE = _ENGINE_SERIES + len(ObservedState) + _ENGINE_GPU_SERIES
+_CUDA_SERIES, _CUDA_DETAIL_SERIES, _CUDA_WARM_SERIES = 2, 5, 2  # by engine, GPU and pod
+SERIES_PER_ENGINE = _ENGINE_SERIES + len(ObservedState) + _CUDA_SERIES + _CUDA_DETAIL_SERIES + _CUDA_WARM_SERIES
 # An engine only a page shows has no manifest: running, up and manifests (= 0), no max_num_seqs nor observation.
 SERIES_PER_PAGE_ENGINE = 3
 # 10,000 declarations' worth: far above a real node (a few engines per GPU, a handful of caches each), and still a
@@ -121,14 +121,30 @@ def _cost(manifest: Manifest) -> Cost:
     per_owner = sum(owner_series * (where + label_size(owner)) for owner in owners)
     unreadable = manifest.observation.unreadable if manifest.observation else ()
     per_unreadable = sum(where + label_size(u.owner) + len(u.reason.value) for u in unreadable)
-    per_engine = (_ENGINE_SERIES + len(ObservedState)) * engine + _STATE_BYTES + _ENGINE_GPU_SERIES * where
+    cuda = _cuda_cost(manifest, engine, where)
+    per_engine = (_ENGINE_SERIES + len(ObservedState)) * engine + _STATE_BYTES + cuda.label_bytes
     series = (
         SERIES_PER_DECLARATION * len(manifest.declarations)
         + owner_series * len(owners)
         + len(unreadable)
-        + SERIES_PER_ENGINE
+        + _ENGINE_SERIES
+        + len(ObservedState)
+        + cuda.series
     )
     return Cost(series, declarations + per_owner + per_unreadable + per_engine)
+
+
+def _cuda_cost(manifest: Manifest, engine: int, where: int) -> Cost:
+    """The allocator's series the manifest adds: its figures by engine and GPU, or one saying why there are none."""
+    observation = manifest.observation
+    cuda = None if observation is None else observation.cuda
+    if cuda is None:
+        reason = None if observation is None else observation.cuda_unavailable
+        return Cost(0, 0) if reason is None else Cost(1, engine + len(reason.value))
+    series = _CUDA_SERIES
+    if manifest.schema_version >= CUDA_DETAIL_SINCE:
+        series += _CUDA_DETAIL_SERIES + (_CUDA_WARM_SERIES if cuda.warm is not None else 0)
+    return Cost(series, series * where)
 
 
 def page_engine_cost(key: EngineKey) -> Cost:

@@ -46,9 +46,9 @@ class GaugeRows(GaugeMetricFamily):
 
     @property
     def samples(self) -> list[Sample]:
-        names = self.label_names
+        names, sample_name = self.label_names, self.name + ("_total" if self.type == "counter" else "")
         return [
-            Sample(self.name, {k: v for k, v in zip(names, labels, strict=True) if v}, value)
+            Sample(sample_name, {k: v for k, v in zip(names, labels, strict=True) if v}, value)
             for labels, value in self.rows
         ]
 
@@ -56,6 +56,15 @@ class GaugeRows(GaugeMetricFamily):
     def samples(self, value: list[Sample]) -> None:
         if value:  # Metric.__init__ sets [], which is all there is to set
             raise AttributeError(f"{self.name}: add series with add_metric")
+
+
+class CounterRows(GaugeRows):
+    """A counter family kept as rows, as `GaugeRows` keeps a gauge's (the same fast path, the same empty labels left
+    out); its series are `<name>_total`."""
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
+        super().__init__(name, documentation, labels)
+        self.type = "counter"
 
 
 _LEGACY_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")  # unchanged by every escaping handled below

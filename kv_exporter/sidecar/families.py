@@ -10,7 +10,7 @@ from kv_exporter.manifest import PodInfo
 from kv_exporter.sidecar.buildinfo import build_info
 from kv_exporter.sidecar.declared import Declared, PlacedDeclaration
 from kv_exporter.sidecar.engine_page import EngineKey
-from kv_exporter.sidecar.exposition import GaugeRows
+from kv_exporter.sidecar.exposition import CounterRows, GaugeRows
 from kv_exporter.sidecar.observed import Observed, ObservedState
 from kv_exporter.sidecar.records import PageResult
 from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, Snapshot
@@ -302,15 +302,15 @@ def _cuda_families(observed: Observed) -> list[Metric]:
         "memory no declaration and no observed cache explains (negative where less is held than after warm-up).",
         ENGINE_GPU_LABELS,
     )
-    retries = CounterMetricFamily(
+    retries = CounterRows(
         "model_local_kv_observed_cuda_alloc_retries",
         "Allocations torch's allocator retried after freeing its cache (num_alloc_retries): memory pressure.",
-        labels=list(ENGINE_GPU_LABELS),
+        ENGINE_GPU_LABELS,
     )
-    ooms = CounterMetricFamily(
+    ooms = CounterRows(
         "model_local_kv_observed_cuda_ooms",
         "Allocations torch's allocator failed for good: out-of-memory errors raised in the worker (num_ooms).",
-        labels=list(ENGINE_GPU_LABELS),
+        ENGINE_GPU_LABELS,
     )
     for cuda in observed.cuda:
         labels = (*_engine(cuda.key), cuda.placement.gpu, cuda.placement.uuid, *_pod(cuda.pod))

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from kv_exporter.manifest import DEFAULT_LIMITS, Manifest, PodInfo, write_manifest
-from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation
+from kv_exporter.observation import (
+    CudaMemory,
+    CudaUnavailable,
+    CudaWarm,
+    Observation,
+    ObservationState,
+    OwnerObservation,
+)
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
 from kv_exporter.sidecar import budget
 from kv_exporter.sidecar.budget import (
@@ -135,12 +142,25 @@ def test_a_manifest_that_cannot_fit_is_left_out_alone(hog_name: str) -> None:
                                                                                            "d-three"]  # fmt: skip
 
 
-def test_the_series_accounting_matches_the_families() -> None:
+@pytest.mark.parametrize(
+    ("cuda", "unavailable"),
+    [
+        (CudaMemory(1, 1), None),
+        (CudaMemory(1, 1, 2, 2, 1, 0, 0, CudaWarm(1, 1, 2, 0)), None),
+        (None, CudaUnavailable.NOT_CUDA),
+    ],
+    ids=["cuda", "cuda-after-warm-up", "cpu-worker"],
+)
+def test_the_series_accounting_matches_the_families(
+    cuda: CudaMemory | None, unavailable: CudaUnavailable | None
+) -> None:
     """manifest_cost counts what one live manifest really adds to the page: its per-declaration, per-owner and
     per-engine series (per-GPU and per-page ones are bounded by the hardware and the configuration), and the bytes
     of their label values as the page writes them (escapes included)."""
     owners = (OwnerObservation(QWEN3_TTS.declarations[0][0], 1, 1), OwnerObservation('vo"c\\oder', 1, 1))
-    sample = Observation(ObservationState.OK, "", 10.0, 1_764_480_000.0, 0.0, owners, CudaMemory(1, 1))
+    sample = Observation(
+        ObservationState.OK, "", 10.0, 1_764_480_000.0, 0.0, owners, cuda, cuda_unavailable=unavailable
+    )
     pod = PodInfo("tts-7d9f8b6c5-x2x8q", "inférence", "vllm")
     manifest = dataclasses.replace(reference_manifest(QWEN3_TTS), observation=sample, pod=pod)
     entry = ManifestEntry("/m.json", manifest, Verdict(State.LIVE, "test"))

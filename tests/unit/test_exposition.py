@@ -18,7 +18,7 @@ from kv_exporter.reference import QWEN3_TTS
 from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
-from kv_exporter.sidecar.exposition import Exposition, Fixed
+from kv_exporter.sidecar.exposition import CounterRows, Exposition, Fixed
 from kv_exporter.sidecar.families import GaugeRows
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
 from tests.support.manifests import reference_manifest
@@ -51,7 +51,7 @@ def families(draw: st.DrawFn) -> list[Metric]:
     result: list[Metric] = []
     for i in range(draw(st.integers(1, 4))):
         names = draw(st.lists(label_names, unique=True, max_size=4))
-        kind = draw(st.sampled_from([GaugeMetricFamily, CounterMetricFamily, GaugeRows]))
+        kind = draw(st.sampled_from([GaugeMetricFamily, CounterMetricFamily, GaugeRows, CounterRows]))
         family = kind(f"family_{i}", draw(docs), labels=names)
         for labels in draw(st.lists(st.tuples(*[label_values for _ in names]), unique=True, max_size=5)):
             family.add_metric(list(labels), draw(values))
@@ -105,6 +105,12 @@ def test_empty_labels_are_left_out_of_rows_families() -> None:
     counter = CounterMetricFamily("c", "doc", labels=["reason"])
     counter.add_metric([""], 1)
     assert Exposition().render([counter], choose_encoder("")[1]) is None
+    rows = CounterRows("model_local_kv_observed_cuda_ooms", "doc", labels=["model_name", "pod"])
+    rows.add_metric(["tts", ""], 1)
+    for accept in ACCEPTS:
+        want, content_type = expected([rows], accept)
+        page = Exposition().render([rows], content_type)
+        assert page == want and b'model_local_kv_observed_cuda_ooms_total{model_name="tts"} 1' in page
 
 
 def test_declines_what_it_does_not_cover() -> None:
@@ -143,6 +149,10 @@ def test_rows_family_samples_are_prometheus_client_samples() -> None:
         family.add_metric(["4", "5"], 6.5)
     assert rows.samples == plain.samples
     assert rows == plain
+    counter_rows, counter = CounterRows("c", "doc", labels=["b"]), CounterMetricFamily("c", "doc", labels=["b"])
+    for family in (counter_rows, counter):
+        family.add_metric(["1"], 3)
+    assert counter_rows.samples == counter.samples and counter_rows.type == counter.type == "counter"
 
 
 def test_concurrent_scrapes_share_one_rendering(tmp_path: Path) -> None:
