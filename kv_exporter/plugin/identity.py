@@ -155,14 +155,18 @@ def map_visible_ordinal(ordinal: int, visible: str | None) -> VisibleDevice:
     return VisibleDevice()
 
 
-def device_info(runner: Any) -> DeviceInfo:
-    device = getattr(runner, "device", None)
+def visible_device(device: object) -> tuple[str, int | None]:
+    """A worker's torch device: its kind ("cuda", "cpu", "unknown") and, on CUDA, its visible ordinal (torch's
+    cuda:N; where the device names none, the calling thread's current device: call it from the worker's thread)."""
     kind = str(getattr(device, "type", None) or device or "unknown")
     if kind != "cuda":
-        return DeviceInfo(kind=kind)
+        return kind, None
     ordinal = getattr(device, "index", None)
-    if ordinal is None:
-        ordinal = _current_cuda_ordinal()
+    return kind, _current_cuda_ordinal() if ordinal is None else int(ordinal)
+
+
+def device_info(runner: Any) -> DeviceInfo:
+    kind, ordinal = visible_device(getattr(runner, "device", None))
     if ordinal is None:
         return DeviceInfo(kind=kind)
     mapped = map_visible_ordinal(int(ordinal), os.environ.get(ENV_VISIBLE_DEVICES))
@@ -189,7 +193,7 @@ def _current_cuda_ordinal() -> int | None:
     torch = sys.modules.get("torch")
     if torch is None:
         return None
-    try:
-        return int(torch.cuda.current_device())
+    try:  # not before CUDA is initialised: asking would initialise device 0, which need not be the worker's
+        return int(torch.cuda.current_device()) if torch.cuda.is_initialized() else None
     except Exception:
         return None

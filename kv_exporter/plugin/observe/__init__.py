@@ -190,7 +190,7 @@ def attach(model: object, declarations: Iterable[Any], device: object = None, en
     try:
         torch: Any = sys.modules.get("torch")
         module_type = torch.nn.Module if torch is not None else object
-        _observer.cuda.attach(device, torch)
+        _observer.cuda.attach(device)
         registry = _observer.registry
         registry.attach(model, declared_geometries(declarations), module_type)
         if registry.model is not None:

@@ -39,20 +39,15 @@ class CudaAllocator:
 
     def __init__(self) -> None:
         self.device_index: int | None = None
-        self.device_kind: str | None = None  # "cuda", "cpu", ... as the worker's torch device says; None: not attached
+        self.device_kind: str | None = None  # "cuda", "cpu", "unknown" (identity.visible_device); None: not attached
         self.warm: CudaWarm | None = None
         self._previous: _Reading | None = None
         self._lock = threading.Lock()  # the sampler's thread and the worker's (a publish) both read
 
-    def attach(self, device: object, torch: Any) -> None:
-        self.device_kind = getattr(device, "type", None) or (str(device) if device is not None else None)
-        if self.device_kind != "cuda" or torch is None:
-            self.device_index = None
-            return
-        index = getattr(device, "index", None)
-        if index is None and torch.cuda.is_initialized():
-            index = torch.cuda.current_device()  # this thread's: the worker's own device
-        self.device_index = None if index is None else int(index)
+    def attach(self, device: object) -> None:
+        from kv_exporter.plugin.identity import visible_device  # only a process that loads a model gets here
+
+        self.device_kind, self.device_index = visible_device(device)
 
     def unavailable_reason(self) -> CudaUnavailable | None:
         """Why there are no figures now (None when there are)."""
