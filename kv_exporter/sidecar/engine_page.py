@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from kv_exporter.document import MAX_SAFE_INT, DocumentError, check_text
 from kv_exporter.printable import DETAIL_MAX_CHARS, printable
-from kv_exporter.transport.fetch import FETCH_ERROR_REASONS, TIMEOUT, FetchError, get
+from kv_exporter.transport.fetch import FETCH_ERROR_REASONS, TIMEOUT, Client, FetchError
 
 STAGE_METRIC = b"vllm:num_requests_running"
 PIPELINE_METRIC = b"vllm_omni:num_requests_running"
@@ -246,27 +246,14 @@ class EngineTarget:
         return cls(url=fetched, target=shown, authorization=auth)
 
 
-def fetch_page(
-    target: EngineTarget,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    max_bytes: int = DEFAULT_MAX_PAGE_BYTES,
-) -> bytes:
-    """GET the page within `timeout_s` in total (`fetch.get`: one deadline for every step of the exchange)."""
+async def fetch_page(client: Client, target: EngineTarget, max_bytes: int = DEFAULT_MAX_PAGE_BYTES) -> bytes:
+    """GET the page on `client` (the caller's deadline bounds every step of the exchange)."""
     headers = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "identity"}
     if target.authorization:
         headers["Authorization"] = target.authorization
     try:
-        return get(target.url, headers, timeout_s, max_bytes)
+        return await client.get(target.url, headers, max_bytes)
     except FetchError as exc:
         failure = exc.reason, exc.detail
     # Raised outside the handler: the FetchError (its frames hold what was read) is freed here, not kept as context.
     raise EnginePageError(*failure)
-
-
-def read_engine(
-    target: EngineTarget, timeout_s: float = DEFAULT_TIMEOUT_S, max_bytes: int = DEFAULT_MAX_PAGE_BYTES
-) -> EnginePage:
-    """Fetch and scan one engine page, both within `timeout_s`; raises only EnginePageError."""
-    deadline = time.monotonic() + timeout_s
-    data = fetch_page(target, timeout_s, max_bytes)
-    return scan_page(data, deadline)

@@ -6,12 +6,12 @@ Each reader turns what it finds into records (`kv_exporter.sidecar.snapshot`'s `
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from kv_exporter import filestat
 from kv_exporter.filestat import FileSignature
@@ -35,11 +35,13 @@ from kv_exporter.sidecar.engine_page import (
     PAGE_ERROR_REASONS,
     EnginePageError,
     EngineTarget,
-    read_engine,
+    fetch_page,
+    scan_page,
 )
 from kv_exporter.sidecar.liveness import State, Verdict, classify
 from kv_exporter.sidecar.observed import FUTURE_TIMESTAMP, ObservedState, worker_state
 from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, on_device
+from kv_exporter.transport.fetch import Client, timed_out
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +166,10 @@ def assess(
 
 
 class EnginePages:
-    """Fetches every engine page in parallel, one request per engine per call."""
+    """Reads every engine page concurrently in the calling thread, on an event loop of its own, with one connection
+    kept open per engine between scrapes. `begin` sends the requests (at once on a kept connection), so the engines
+    answer while the caller does other work; `finish` waits for the answers, all within one engine deadline from then.
+    One begin-finish at a time (the collection's single flight)."""
 
     def __init__(
         self,
@@ -175,35 +180,56 @@ class EnginePages:
         self.targets = tuple(targets)
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
-        workers = max(1, min(32, len(self.targets) - 1))
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="engine-page")
+        self._loop = asyncio.new_event_loop()
+        self._client = Client()
+        self._scan_deadline = 0.0
         zeros = ((t.target, reason) for t in self.targets for reason in PAGE_ERROR_REASONS)
         self.errors_total: Counter[tuple[str, str]] = Counter(dict.fromkeys(zeros, 0))
         self._last_reason: dict[str, str | None] = {}
 
     def read_all(self) -> list[PageResult]:
-        # The first page is read in the calling thread: one engine (the usual sidecar) costs no thread hand-off, and
-        # the others still read in parallel with it, so the slowest page alone bounds the collection.
-        others = [self._pool.submit(self._read, target) for target in self.targets[1:]]
-        results = [self._read(self.targets[0])] if self.targets else []
-        results += [future.result() for future in others]
+        return self.finish(self.begin())
+
+    def begin(self) -> list[asyncio.Task[PageResult]]:
+        self._scan_deadline = time.monotonic() + self.timeout_s
+        reads = [self._loop.create_task(self._read(target)) for target in self.targets]
+        self._loop.run_until_complete(asyncio.sleep(0))  # each read runs to its first wait: its request is out
+        return reads
+
+    def finish(self, reads: list[asyncio.Task[PageResult]]) -> list[PageResult]:
+        results = self._loop.run_until_complete(self._answers(reads))
         for result in results:
             self._account(result)
         return results
 
-    def _read(self, target: EngineTarget) -> PageResult:
+    async def _answers(self, reads: list[asyncio.Task[PageResult]]) -> list[PageResult]:
+        # The deadline starts now, not at `begin`: the caller's own work in between is not the engines' time.
+        self._scan_deadline = time.monotonic() + self.timeout_s
+        _, pending = await asyncio.wait(reads, timeout=self.timeout_s) if reads else (set(), set())
+        for read in pending:
+            read.cancel()
+        if pending:
+            await asyncio.wait(pending)  # each closes its connection
+        answers = zip(self.targets, reads, strict=True)
+        return [self._late(target) if read.cancelled() else read.result() for target, read in answers]
+
+    async def _read(self, target: EngineTarget) -> PageResult:
         started = time.perf_counter()
         try:
-            page = read_engine(target, self.timeout_s, self.max_bytes)
-            return PageResult(target.target, page, None, time.perf_counter() - started)
+            data = await fetch_page(self._client, target, self.max_bytes)
+            return PageResult(target.target, scan_page(data, self._scan_deadline), None, time.perf_counter() - started)
         except EnginePageError as exc:
             # Kept without its traceback: its frames hold what was read (up to --engine-max-bytes), and this frame
             # holding `exc` would make a cycle that only the cyclic GC frees (+4 MiB of RSS a scrape of a 50 MB page).
-            return PageResult(target.target, None, exc.with_traceback(None), time.perf_counter() - started)
+            error = exc.with_traceback(None)
         except Exception as exc:  # a bug must not take the exporter down: report it like a bad page
             log.exception("engine page %s: unexpected error", target.target)
             error = EnginePageError(INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
-            return PageResult(target.target, None, error, time.perf_counter() - started)
+        return PageResult(target.target, None, error, time.perf_counter() - started)
+
+    def _late(self, target: EngineTarget) -> PageResult:
+        late = timed_out(self.timeout_s)
+        return PageResult(target.target, None, EnginePageError(late.reason, late.detail), self.timeout_s)
 
     def _account(self, result: PageResult) -> None:
         reason = result.error.reason if result.error else None
@@ -217,7 +243,10 @@ class EnginePages:
         self._last_reason[result.target] = reason
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Close the kept connections and the loop; a collection still reading (stuck) keeps them, to the exit."""
+        if not self._loop.is_running():
+            self._client.close()
+            self._loop.close()
 
 
 def read_gpus(reader: GpuReader | None, entries: Sequence[ManifestEntry]) -> GpuResult:

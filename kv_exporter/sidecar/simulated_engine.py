@@ -3,19 +3,20 @@
 It is `kv-exporter demo`'s backend, and the stand-in engine that the tests and the benchmarks scrape. A page is
 bytes, or a function that builds them on every request. The engine answers as its `fault` says, switchable while it
 runs: the ways an engine's page goes wrong (docs/reliability.md), each one a reason the sidecar counts. It counts the
-requests it gets, keeps the Authorization header of the last one, and stops and listens again on the same port, as a
-restarted engine does. Standard library only, like the rest of the sidecar.
+requests it gets, keeps the Authorization header of the last one, keeps a connection open for the next request after
+an `ok` answer to HTTP/1.1 (closing it after KEEP_ALIVE_S idle, or when it stops), and stops and listens again on the
+same port, as a restarted engine does. Standard library only, like the rest of the sidecar.
 """
 
 from __future__ import annotations
 
 import contextlib
 import http
+import socket
 import socketserver
 import threading
 from collections.abc import Callable, Mapping
 from io import BufferedIOBase
-from typing import Any
 
 Page = bytes | Callable[[], bytes]
 
@@ -55,6 +56,7 @@ HUGE_BYTES = 50 << 20
 HTML = b"<!doctype html><html><head><title>Sign in</title></head><body><form>...</form></body></html>\n"
 JSON = b'{"status": "ok", "running": 3}\n'
 _MAX_LINE = 1 << 16
+KEEP_ALIVE_S = 5.0  # an idle connection is closed after this, as uvicorn's (vLLM's server's) default does
 
 
 def vllm_page(model_name: str, running: int) -> bytes:
@@ -79,6 +81,7 @@ class SimulatedEngine:
         self.delay_s = delay_s
         self.port = port
         self.requests = 0
+        self.connections = 0  # accepted: fewer than requests when clients keep them open
         self.authorization: str | None = None  # of the last request
         self._fault = "ok"
         self._released = threading.Event()  # set to cut short the waits of `hang`, `slow` and `trickle`
@@ -121,6 +124,7 @@ class SimulatedEngine:
             self._release()
         self._server.shutdown()
         self._server.server_close()
+        self._server.close_connections()
         if self._thread is not None:
             self._thread.join(5)
         self._server = self._thread = None
@@ -142,7 +146,12 @@ class SimulatedEngine:
         self._released.set()
         self._released = threading.Event()
 
-    def _serve(self, out: BufferedIOBase, path: str, authorization: str | None) -> None:
+    def connected(self) -> None:
+        with self._lock:
+            self.connections += 1
+
+    def _serve(self, out: BufferedIOBase, path: str, authorization: str | None, keep_alive: bool) -> bool:
+        """Answer one request; whether the connection stays open (only an `ok` answer to a client keeping it)."""
         with self._lock:
             self.requests += 1
             self.authorization = authorization
@@ -150,8 +159,11 @@ class SimulatedEngine:
         source = self.pages.get(path)
         if source is None:
             out.write(_response(404, b"no such page\n"))
-            return
+            return False
         page = source() if callable(source) else source
+        if fault == "ok" and keep_alive:
+            out.write(b"%sContent-Length: %d\r\n\r\n%s" % (_OK_11, len(page), page))
+            return True
         if fault == "hang":
             released.wait(HANG_S)
         elif fault in _ENDLESS:
@@ -161,7 +173,7 @@ class SimulatedEngine:
             for start in range(0, len(page), TRICKLE_CHUNK):
                 out.write(page[start : start + TRICKLE_CHUNK])
                 if released.wait(TRICKLE_S):
-                    return
+                    return False
         elif fault in ("huge", "huge_streamed"):
             out.write(_head(200, HUGE_BYTES if fault == "huge" else None))
             block = (page * (1 + (1 << 20) // len(page)))[: 1 << 20]
@@ -171,6 +183,7 @@ class SimulatedEngine:
             if fault == "slow":
                 released.wait(self.delay_s)
             out.write(_whole_answer(fault, page))
+        return False
 
 
 def _endless(first: bytes, repeated: bytes, pause_s: float) -> Callable[[BufferedIOBase, threading.Event], None]:
@@ -243,34 +256,57 @@ def _head(status: int, length: int | None, content_type: str = CONTENT_TYPE) -> 
 
 
 class _Handler(socketserver.StreamRequestHandler):
-    """One request per connection. Reads only the request line and the Authorization header: cheaper than
-    http.server's parsing, so that what a benchmark times is the sidecar, not the stand-in."""
+    """Reads only the request line, the Authorization header and the Connection header: cheaper than http.server's
+    parsing, so that what a benchmark times is the sidecar, not the stand-in. Serves the requests of one connection
+    until an answer ends it or the connection idles KEEP_ALIVE_S."""
 
     server: _Server
     disable_nagle_algorithm = True
 
     def handle(self) -> None:
+        self.server.engine.connected()
+        self.server.connections.add(self.connection)
+        try:
+            while self._one_request():
+                self.connection.settimeout(KEEP_ALIVE_S)
+        except (TimeoutError, OSError):  # idle past KEEP_ALIVE_S, or closed by the client or by `stop`
+            pass
+        finally:
+            self.server.connections.discard(self.connection)
+
+    def _one_request(self) -> bool:
+        """Answer one request; whether the connection stays open for another."""
         words = self.rfile.readline(_MAX_LINE).split()
+        if not words:
+            return False  # the client closed the connection
         authorization = None
+        keep = words[-1] == b"HTTP/1.1"
         while (line := self.rfile.readline(_MAX_LINE)).strip():
             name, _, value = line.partition(b":")
-            if name.strip().lower() == b"authorization":
+            name = name.strip().lower()
+            if name == b"authorization":
                 authorization = value.strip().decode("latin-1")
+            elif name == b"connection" and b"close" in value.lower():
+                keep = False
         path = words[1].split(b"?", 1)[0].decode("latin-1") if len(words) > 1 else ""
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the reader gave up on us, as it may
-            self.server.engine._serve(self.wfile, path, authorization)
+            return self.server.engine._serve(self.wfile, path, authorization, keep)
+        return False
 
 
 class _Server(socketserver.ThreadingTCPServer):
+    """A thread per connection (uvicorn, vLLM's server, serves connections concurrently too)."""
+
     daemon_threads = True
     allow_reuse_address = True  # listening again on the same port, as a restarted engine does
     request_queue_size = 64
     engine: SimulatedEngine
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        """A thread per request only where the answer waits: one answered at once costs half the CPU without
-        (measured: ~0.1 against ~0.2 ms a request), CPU the benchmarks' sidecar shares the machine with."""
-        if self.engine.fault in WAITING:
-            super().process_request(request, client_address)
-        else:
-            socketserver.BaseServer.process_request(self, request, client_address)
+    def __init__(self, address: tuple[str, int], handler: type[_Handler]) -> None:
+        super().__init__(address, handler)
+        self.connections: set[socket.socket] = set()  # open ones, closed by `stop` as a stopping server does
+
+    def close_connections(self) -> None:
+        for connection in list(self.connections):
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)

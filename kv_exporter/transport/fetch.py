@@ -1,12 +1,12 @@
-"""GET one page over HTTP/1.1 with hard limits: one wall-clock deadline for the whole exchange, a size cap, and the
-rules Go's net/http client applies to a response (Prometheus scrapes with it: what it refuses is refused here).
+"""GET pages over HTTP/1.1 on an asyncio event loop with hard limits: one wall-clock deadline for the whole exchange,
+a size cap, and the rules Go's net/http client applies to a response (Prometheus scrapes with it: what it refuses is
+refused here). Several GETs run concurrently in one thread, and a connection the server leaves open is kept for the
+next GET to the same origin (`Client`).
 
-The deadline covers connecting, the TLS handshake, the request, the status line, the headers, interim 1xx answers,
-chunk framing and the body: every socket operation waits at most for what is left of it, so a server that trickles
-any part costs at most the timeout, and the reason is then always `timeout`. (http.client, used before, gave each
-socket read the whole timeout: a server sending a header line or a `100 Continue` now and then held a scrape for as
-long as it liked.) Name resolution is the one step no deadline covers: targets are normally IP addresses or names
-in the node's hosts file.
+The deadline (the caller's, around the GET) covers name resolution, connecting, the TLS handshake, the request, the
+status line, the headers, interim 1xx answers, chunk framing and the body, so a server that trickles any part costs
+at most the timeout, and the reason is then always `timeout`. (http.client, used before, gave each socket read the whole
+timeout: a server sending a header line or a `100 Continue` now and then held a scrape for as long as it liked.)
 
 Go's rules followed (net/http's transport, transfer and internal/chunked): at most 5 interim 1xx answers (101 is
 final); Content-Length digits only, repeated only with the same value; Transfer-Encoding only `chunked`, and only on
@@ -18,9 +18,9 @@ is ignored), at most 4096 bytes; each chunk's data ends in CRLF; framing may not
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import ssl
-import time
 import urllib.parse
 from collections.abc import Mapping
 
@@ -57,87 +57,124 @@ class FetchError(Exception):
 
 
 def get(url: str, headers: Mapping[str, str], timeout_s: float, max_body: int) -> bytes:
-    """The body of a 200 answer to `GET url` (http or https), all of it within `timeout_s`; raises FetchError."""
-    parts = urllib.parse.urlsplit(url)
-    conn = _Connection(time.monotonic() + timeout_s, timeout_s)
-    try:
-        conn.open(parts)
+    """The body of a 200 answer to `GET url` (http or https), all of it within `timeout_s`, on a connection of its
+    own; raises FetchError."""
+
+    async def once() -> bytes:
+        client = Client()
+        try:
+            return await asyncio.wait_for(client.get(url, headers, max_body), timeout_s)
+        except asyncio.TimeoutError:
+            raise timed_out(timeout_s) from None
+        finally:
+            client.close()
+
+    return asyncio.run(once())
+
+
+def timed_out(timeout_s: float) -> FetchError:
+    """What a GET that ran past its deadline (the caller's, around it: `asyncio.wait_for`, ...) failed with."""
+    return FetchError(TIMEOUT, f"no complete answer within {timeout_s:g} s")
+
+
+class Client:
+    """GETs on the running event loop, keeping one idle connection per origin for the next GET to it, as Go's
+    transport does: a connection is kept when the answer was HTTP/1.1, not `Connection: close`, its body framed
+    (Content-Length or chunked) and read to its end with nothing after it. A kept connection the server has closed
+    meanwhile (servers close idle ones: uvicorn, vLLM's, after 5 s) fails before any byte of answer; the GET is then
+    sent again once on a new connection, within the same deadline (Go retries an idempotent request so).
+    One client per event loop; its GETs may run concurrently."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, str, int], _Connection] = {}
+
+    async def get(self, url: str, headers: Mapping[str, str], max_body: int) -> bytes:
+        """The body of a 200 answer to `GET url`; raises FetchError. The caller's deadline (cancelling it, then
+        `timed_out`) bounds every step, name resolution included."""
+        parts = urllib.parse.urlsplit(url)
+        origin = (parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80))
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         request = [f"GET {path} HTTP/1.1", f"Host: {parts.netloc}", f"User-Agent: kv-exporter/{__version__}"]
         request += [f"{name}: {value}" for name, value in headers.items()]
-        conn.send(("\r\n".join([*request, "Connection: close", "", ""])).encode("latin-1"))
-        version, fields = _final_head(conn)
-        return _body(conn, version, fields, max_body)
-    except TimeoutError:  # a socket operation ran out of the time left
-        raise FetchError(TIMEOUT, f"no complete answer within {timeout_s:g} s") from None
-    except ConnectionError as exc:
-        raise conn.closed(f"{type(exc).__name__}: {exc}") from None
-    except OSError as exc:
-        raise FetchError(UNREACHABLE, f"{type(exc).__name__}: {exc}") from None
-    finally:
-        conn.close()
+        message = ("\r\n".join([*request, "", ""])).encode("latin-1")
+        kept = self._idle.pop(origin, None)
+        if kept is not None:
+            try:
+                return await self._exchange(kept, origin, message, max_body)
+            except FetchError as exc:
+                if kept.received or exc.reason not in (UNREACHABLE, TRUNCATED):
+                    raise  # the server answered something: its answer stands
+        conn = await _Connection.open(origin)
+        return await self._exchange(conn, origin, message, max_body)
+
+    async def _exchange(self, conn: _Connection, origin: tuple[str, str, int], message: bytes, max_body: int) -> bytes:
+        keep = False
+        conn.received = 0  # of this answer
+        try:
+            conn.writer.write(message)
+            await conn.writer.drain()
+            version, fields = await _final_head(conn)
+            body = await _body(conn, version, fields, max_body)
+            keep = _reusable(conn, version, fields)
+            return body
+        except ConnectionError as exc:
+            raise conn.closed(f"{type(exc).__name__}: {exc}") from None
+        except OSError as exc:
+            raise FetchError(UNREACHABLE, f"{type(exc).__name__}: {exc}") from None
+        finally:
+            if keep:
+                self._idle[origin] = conn
+            else:
+                conn.close()
+
+    def close(self) -> None:
+        """Close the kept connections."""
+        for conn in self._idle.values():
+            conn.close()
+        self._idle.clear()
+
+
+def _reusable(conn: _Connection, version: bytes, fields: Fields) -> bool:
+    framed = b"content-length" in fields or b"transfer-encoding" in fields
+    closing = any(b"close" in value.lower() for value in fields.get(b"connection", []))
+    return version == b"1.1" and framed and not closing and not conn.buffer and not conn.reader.at_eof()
 
 
 class _Connection:
-    """A socket whose every operation waits at most until the deadline, with a read buffer."""
+    """A stream with a read buffer; the deadline around the exchange bounds every wait."""
 
-    def __init__(self, deadline: float, timeout_s: float) -> None:
-        self.deadline = deadline
-        self.timeout_s = timeout_s
-        self.sock: socket.socket | None = None
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
         self.buffer = bytearray()
-        self.received = 0  # bytes of answer so far: none means the server never answered
+        self.received = 0  # bytes of the answer so far: none means the server never answered
 
-    def _left(self, sock: socket.socket) -> socket.socket:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise FetchError(TIMEOUT, f"no complete answer within {self.timeout_s:g} s")
-        sock.settimeout(left)
-        return sock
+    @classmethod
+    async def open(cls, origin: tuple[str, str, int]) -> _Connection:
+        scheme, host, port = origin
+        try:
+            context = ssl.create_default_context() if scheme == "https" else None
+            reader, writer = await asyncio.open_connection(host, port, ssl=context)
+        except OSError as exc:  # refused, no route, no address, a failed TLS handshake
+            raise FetchError(UNREACHABLE, f"{type(exc).__name__}: {exc}") from None
+        writer.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(reader, writer)
 
-    def open(self, parts: urllib.parse.SplitResult) -> None:
-        host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
-        error: OSError = OSError(f"no address for {host}")
-        for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-            sock = socket.socket(family, kind, proto)
-            try:
-                self._left(sock).connect(address)
-            except OSError as exc:
-                sock.close()
-                error = exc
-                continue
-            self.sock = sock
-            break
-        else:
-            raise error
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if parts.scheme == "https":
-            context = ssl.create_default_context()
-            tls = context.wrap_socket(self.sock, server_hostname=host, do_handshake_on_connect=False)
-            self.sock = tls
-            self._left(tls)
-            tls.do_handshake()  # CPython bounds the whole handshake by the socket timeout
-
-    def send(self, data: bytes) -> None:
-        assert self.sock is not None
-        self._left(self.sock).sendall(data)
-
-    def fill(self) -> bool:
+    async def fill(self) -> bool:
         """Read more into the buffer; False at the end of the stream."""
-        assert self.sock is not None
-        chunk = self._left(self.sock).recv(_RECV)
+        chunk = await self.reader.read(_RECV)
         self.received += len(chunk)
         self.buffer += chunk
         return bool(chunk)
 
-    def line(self, limit: int, reason: str, what: str) -> bytes:
+    async def line(self, limit: int, reason: str, what: str) -> bytes:
         """The next line without its LF (a CR before it kept), at most `limit` bytes; `reason` when longer."""
         scanned = 0
         while (end := self.buffer.find(b"\n", scanned)) == -1:
             scanned = len(self.buffer)
             if scanned > limit:
                 raise FetchError(reason, f"{what} longer than {limit} bytes")
-            if not self.fill():
+            if not await self.fill():
                 raise self.closed(f"connection closed in the {what}")
         if end > limit:
             raise FetchError(reason, f"{what} longer than {limit} bytes")
@@ -145,17 +182,17 @@ class _Connection:
         del self.buffer[: end + 1]
         return line
 
-    def read(self, most: int) -> bytes:
+    async def read(self, most: int) -> bytes:
         """Up to `most` bytes (at least one), b"" at the end of the stream."""
-        if not self.buffer and not self.fill():
+        if not self.buffer and not await self.fill():
             return b""
         data = bytes(self.buffer[:most])
         del self.buffer[:most]
         return data
 
-    def exactly(self, size: int, what: str) -> bytes:
+    async def exactly(self, size: int, what: str) -> bytes:
         while len(self.buffer) < size:
-            if not self.fill():
+            if not await self.fill():
                 raise self.closed(f"connection closed in the {what}")
         data = bytes(self.buffer[:size])
         del self.buffer[:size]
@@ -166,19 +203,18 @@ class _Connection:
         return FetchError(TRUNCATED if self.received else UNREACHABLE, detail)
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
+        self.writer.close()
 
 
 Fields = dict[bytes, list[bytes]]  # lower-case header name -> its values, in order
 
 
-def _final_head(conn: _Connection) -> tuple[bytes, Fields]:
+async def _final_head(conn: _Connection) -> tuple[bytes, Fields]:
     """The status line and headers of the final answer, past the interim ones; raises for anything but 200."""
     for _ in range(MAX_INTERIM_ANSWERS + 1):
-        line = conn.line(MAX_HEAD_BYTES, TOO_LARGE, "status line")
+        line = await conn.line(MAX_HEAD_BYTES, TOO_LARGE, "status line")
         version, status, phrase = _status_line(line)
-        fields = _fields(conn, MAX_HEAD_BYTES - len(line))
+        fields = await _fields(conn, MAX_HEAD_BYTES - len(line))
         if 100 <= status <= 199 and status != 101:
             continue  # an interim answer (100 Continue, 103 Early Hints): no body, the real one follows
         if status != 200:
@@ -199,12 +235,12 @@ def _status_line(line: bytes) -> tuple[bytes, int, bytes]:
     return number, int(code), phrase
 
 
-def _fields(conn: _Connection, limit: int) -> Fields:
+async def _fields(conn: _Connection, limit: int) -> Fields:
     """Header lines up to the empty line (continuation lines joined), `limit` bytes in all."""
     fields: Fields = {}
     last: list[bytes] | None = None
     size = 0
-    while line := conn.line(limit - size, TOO_LARGE, "header section").rstrip(b"\r"):
+    while line := (await conn.line(limit - size, TOO_LARGE, "header section")).rstrip(b"\r"):
         size += len(line) + 2
         if line[:1] in (b" ", b"\t"):
             if last is None:
@@ -219,19 +255,19 @@ def _fields(conn: _Connection, limit: int) -> Fields:
     return fields
 
 
-def _body(conn: _Connection, version: bytes, fields: Fields, max_body: int) -> bytes:
+async def _body(conn: _Connection, version: bytes, fields: Fields, max_body: int) -> bytes:
     length = _content_length(fields.get(b"content-length", []))
     codings = fields.get(b"transfer-encoding", [])
     if codings and version >= b"1.1":  # Go ignores Transfer-Encoding before HTTP/1.1
         if len(codings) != 1 or codings[0].lower() != b"chunked":
             raise FetchError(BAD_RESPONSE, f"unsupported transfer encoding {b', '.join(codings)[:80]!r}")
-        return _chunked(conn, max_body)
+        return await _chunked(conn, max_body)
     if length is not None and length > max_body:
         raise FetchError(TOO_LARGE, f"Content-Length {length} > limit {max_body}")
     chunks: list[bytes] = []
     size = 0
     want = max_body + 1 if length is None else length
-    while size < want and (chunk := conn.read(want - size)):
+    while size < want and (chunk := await conn.read(want - size)):
         size += len(chunk)
         chunks.append(chunk)
     if size > max_body:
@@ -252,11 +288,11 @@ def _content_length(values: list[bytes]) -> int | None:
     return int(values[0])
 
 
-def _chunked(conn: _Connection, max_body: int) -> bytes:
+async def _chunked(conn: _Connection, max_body: int) -> bytes:
     chunks: list[bytes] = []
     size = excess = 0
     while True:
-        line = conn.line(MAX_CHUNK_LINE, BAD_RESPONSE, "chunk-size line")
+        line = await conn.line(MAX_CHUNK_LINE, BAD_RESPONSE, "chunk-size line")
         if not line.endswith(b"\r"):
             raise FetchError(BAD_RESPONSE, "chunk-size line ends in a bare LF")
         excess += len(line) + 3  # with its LF, and the CRLF after the data
@@ -268,16 +304,16 @@ def _chunked(conn: _Connection, max_body: int) -> bytes:
         if excess > MAX_FRAMING_EXCESS:
             raise FetchError(BAD_RESPONSE, "chunked encoding holds too much framing for its data")
         if length == 0:
-            _fields(conn, MAX_HEAD_BYTES)  # the trailer
+            await _fields(conn, MAX_HEAD_BYTES)  # the trailer
             return b"".join(chunks)
         if size + length > max_body:
             raise FetchError(TOO_LARGE, f"more than {max_body} bytes")
         size += length
         while length:
-            data = conn.read(length)
+            data = await conn.read(length)
             if not data:
                 raise FetchError(TRUNCATED, "connection closed inside a chunk")
             chunks.append(data)
             length -= len(data)
-        if conn.exactly(2, "end of a chunk") != b"\r\n":
+        if await conn.exactly(2, "end of a chunk") != b"\r\n":
             raise FetchError(BAD_RESPONSE, "chunk data not followed by CRLF")

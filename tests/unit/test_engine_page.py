@@ -13,14 +13,12 @@ from kv_exporter.sidecar.engine_page import (
     EngineKey,
     EnginePageError,
     EngineTarget,
-    fetch_page,
-    read_engine,
     scan_page,
 )
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
 from tests.support.exporter import exporter, simulated_gpu
 from tests.support.net import closed_port_url
-from tests.support.pages import OMNI_MODEL, OMNI_PAGE, VLLM_MODEL, VLLM_PAGE, vllm_page_with
+from tests.support.pages import OMNI_MODEL, OMNI_PAGE, VLLM_MODEL, VLLM_PAGE, fetch_once, read_once, vllm_page_with
 from tests.support.scrape import pick
 
 GenericKey = tuple[str, tuple[tuple[str, str], ...]]
@@ -203,8 +201,8 @@ def test_the_target_label_has_no_userinfo_query_or_fragment(tmp_path: Path) -> N
 def test_fetch_real_page_over_http() -> None:
     body = VLLM_PAGE.read_bytes()
     with SimulatedEngine(body) as engine:
-        assert fetch_page(EngineTarget.parse(engine.url)) == body
-        assert read_engine(EngineTarget.parse(engine.url)).running == {EngineKey(VLLM_MODEL, 0, 0): 0}
+        assert fetch_once(EngineTarget.parse(engine.url)) == body
+        assert read_once(EngineTarget.parse(engine.url)).running == {EngineKey(VLLM_MODEL, 0, 0): 0}
         assert engine.requests == 2
 
 
@@ -212,7 +210,7 @@ def test_credentials_are_sent_but_never_in_the_target() -> None:
     with SimulatedEngine(VLLM_PAGE.read_bytes()) as engine:
         url = engine.url.replace("http://", "http://kv:secret@")
         target = EngineTarget.parse(url)
-        read_engine(target)
+        read_once(target)
         assert "secret" not in target.target
         assert (engine.requests, engine.authorization) == (1, "Basic a3Y6c2VjcmV0")
 
@@ -222,12 +220,12 @@ def test_http_error_status() -> None:
         SimulatedEngine(VLLM_PAGE.read_bytes(), fault="status_500") as engine,
         pytest.raises(EnginePageError, match="http_status"),
     ):
-        fetch_page(EngineTarget.parse(engine.url))
+        fetch_once(EngineTarget.parse(engine.url))
 
 
 def test_engine_down() -> None:
     with pytest.raises(EnginePageError) as info:
-        fetch_page(EngineTarget.parse(closed_port_url()))
+        fetch_once(EngineTarget.parse(closed_port_url()))
     assert info.value.reason == "unreachable"
 
 
@@ -235,7 +233,7 @@ def test_slow_engine_times_out() -> None:
     with SimulatedEngine(VLLM_PAGE.read_bytes(), fault="slow", delay_s=2.0) as engine:
         started = time.monotonic()
         with pytest.raises(EnginePageError) as info:
-            fetch_page(EngineTarget.parse(engine.url), timeout_s=0.3)
+            fetch_once(EngineTarget.parse(engine.url), timeout_s=0.3)
         assert info.value.reason == "timeout"
         assert time.monotonic() - started < 1.0
 
@@ -245,7 +243,7 @@ def test_trickling_engine_is_cut_off_at_the_total_deadline() -> None:
     with SimulatedEngine(VLLM_PAGE.read_bytes(), fault="trickle") as engine:
         started = time.monotonic()
         with pytest.raises(EnginePageError) as info:
-            fetch_page(EngineTarget.parse(engine.url), timeout_s=0.5)
+            fetch_once(EngineTarget.parse(engine.url), timeout_s=0.5)
         assert info.value.reason == "timeout"
         assert time.monotonic() - started < 1.2
 
@@ -255,9 +253,9 @@ def test_huge_page_is_refused(send_length: bool) -> None:
     body = VLLM_PAGE.read_bytes() * 40  # ~2 MB
     with SimulatedEngine(body, fault="ok" if send_length else "no_length") as engine:
         with pytest.raises(EnginePageError) as info:
-            fetch_page(EngineTarget.parse(engine.url), max_bytes=len(body) // 2)
+            fetch_once(EngineTarget.parse(engine.url), max_bytes=len(body) // 2)
         assert info.value.reason == "too_large"
-        assert len(fetch_page(EngineTarget.parse(engine.url), max_bytes=len(body))) == len(body)
+        assert len(fetch_once(EngineTarget.parse(engine.url), max_bytes=len(body))) == len(body)
 
 
 def test_scanning_a_large_page_is_bounded_by_the_engine_deadline() -> None:
@@ -268,7 +266,7 @@ def test_scanning_a_large_page_is_bounded_by_the_engine_deadline() -> None:
     with SimulatedEngine(body) as engine:
         started = time.monotonic()
         with pytest.raises(EnginePageError) as info:
-            read_engine(EngineTarget.parse(engine.url), timeout_s=0.3)
+            read_once(EngineTarget.parse(engine.url), timeout_s=0.3)
         took = time.monotonic() - started
     assert info.value.reason == "timeout" and "series" in info.value.detail
     assert took < 0.3 + 0.25, took

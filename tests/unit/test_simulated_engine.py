@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from kv_exporter.sidecar.engine_page import EngineKey, EnginePageError, EngineTarget, fetch_page, read_engine
+from kv_exporter.sidecar.engine_page import EngineKey, EnginePageError, EngineTarget
 from kv_exporter.sidecar.simulated_engine import FAULTS, HUGE_BYTES, SimulatedEngine, vllm_page
-from tests.support.pages import VLLM_MODEL, VLLM_PAGE
+from tests.support.pages import VLLM_MODEL, VLLM_PAGE, fetch_once, read_once
 
 TIMEOUT_S = 0.5
 # fault -> the reason the sidecar counts it under (None: the page is read)
@@ -48,10 +48,10 @@ def test_fault_as_the_sidecar_reads_it(fault: str) -> None:
         target = EngineTarget.parse(engine.url)
         started = time.monotonic()
         if REASONS[fault] is None:
-            assert read_engine(target, TIMEOUT_S, HUGE_BYTES).running == {EngineKey(VLLM_MODEL, 0, 0): 0}
+            assert read_once(target, TIMEOUT_S, HUGE_BYTES).running == {EngineKey(VLLM_MODEL, 0, 0): 0}
         else:
             with pytest.raises(EnginePageError) as info:
-                read_engine(target, TIMEOUT_S, 4 << 20)
+                read_once(target, TIMEOUT_S, 4 << 20)
             assert info.value.reason == REASONS[fault]
         assert time.monotonic() - started < TIMEOUT_S + 0.5
         assert engine.requests == 1
@@ -63,10 +63,10 @@ def test_refused_then_back_on_the_same_port() -> None:
         engine.set("refused")
         assert engine.fault == "refused"
         with pytest.raises(EnginePageError, match="unreachable"):
-            fetch_page(target, TIMEOUT_S)
+            fetch_once(target, TIMEOUT_S)
         engine.set("ok")
         assert engine.url == url
-        assert fetch_page(target, TIMEOUT_S) == VLLM_PAGE.read_bytes()
+        assert fetch_once(target, TIMEOUT_S) == VLLM_PAGE.read_bytes()
 
 
 def test_pages_per_path_built_on_each_request() -> None:
@@ -74,11 +74,11 @@ def test_pages_per_path_built_on_each_request() -> None:
     pages = {"/a/metrics": lambda: vllm_page("a", next(counts)), "/b/metrics": vllm_page("b", 7)}
     with SimulatedEngine(pages) as engine:
         for running in (0, 1):
-            page = read_engine(EngineTarget.parse(engine.url_for("/a/metrics")))
+            page = read_once(EngineTarget.parse(engine.url_for("/a/metrics")))
             assert page.running == {EngineKey("a", 0, 0): running}
-        assert read_engine(EngineTarget.parse(engine.url_for("/b/metrics"))).running == {EngineKey("b", 0, 0): 7}
+        assert read_once(EngineTarget.parse(engine.url_for("/b/metrics"))).running == {EngineKey("b", 0, 0): 7}
         with pytest.raises(EnginePageError, match="http_status"):
-            fetch_page(EngineTarget.parse(engine.url_for("/nope")))
+            fetch_once(EngineTarget.parse(engine.url_for("/nope")))
         assert engine.requests == 4
 
 
