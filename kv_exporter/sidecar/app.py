@@ -87,7 +87,8 @@ class ExporterApp:
         with self._pages_lock:
             flight = self._pages.get(key)
             if flight is None and len(self._pages) < _MAX_SHARED_FORMATS:  # the Accept header picks the key
-                flight = self._pages[key] = SingleFlight(render)  # bounded: it waits on the collection
+                # bounded: the key comes from the Accept header; the followers' wait, by the collection deadline
+                flight = self._pages[key] = SingleFlight(render, self.collection.settings.deadline_s)
         return flight or render
 
     def _render(self, encoder: Encoder, content_type: str, gzip: Gzip | None) -> bytes:

@@ -13,7 +13,6 @@ Concurrent scrapes share one collection (`SingleFlight`). Nothing runs between s
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import Counter
@@ -49,9 +48,11 @@ class FlightTimeout(RuntimeError):
 class SingleFlight(Generic[T]):
     """Calls `fn` for the first caller; callers arriving while it runs wait and get the same result.
 
-    With `deadline_s`, `fn` runs in a thread of its own and every caller, the first included, waits at most until it
-    has run that long, then gets `FlightTimeout`: a call stuck in a read that never returns holds that thread, not a
-    scrape. Callers join it until it returns, so a stuck call never runs twice at once.
+    The first caller runs `fn` itself: handing it to a thread of its own cost two thread hand-offs a scrape, 0.35 ms of
+    2.9 (docs/benchmarks.md, section 11). With `deadline_s`, the callers that join wait at most until the call has run
+    that long, then get `FlightTimeout`; a call stuck in a read that never returns holds its first caller only (the
+    server answers that caller's request at the deadline: `http.ExporterServer`). Callers join it until it returns,
+    so a stuck call never runs twice at once.
     """
 
     def __init__(self, fn: Callable[[], T], deadline_s: float | None = None) -> None:
@@ -59,23 +60,22 @@ class SingleFlight(Generic[T]):
         self._deadline_s = deadline_s
         self._lock = threading.Lock()
         self._flight: _Flight[T] | None = None
-        self._handed_over: queue.SimpleQueue[_Flight[T]] = queue.SimpleQueue()
-        self._runner: threading.Thread | None = None
 
     def __call__(self) -> T:
         with self._lock:
             flight = self._flight
-            leader = flight is None
             if flight is None:
                 flight = self._flight = _Flight()
-        if leader and self._deadline_s is None:
+                leader = True
+            else:
+                leader = False
+        if leader:
             self._fly(flight)
-        elif leader:
-            self._hand_over(flight)
-        wait = None if self._deadline_s is None else max(0.0, flight.started + self._deadline_s - time.monotonic())
-        if not flight.done.wait(wait):
-            raise FlightTimeout(f"the collection has been running for {time.monotonic() - flight.started:.0f} s, "
-                                f"past its {self._deadline_s:g} s deadline")  # fmt: skip
+        else:
+            wait = None if self._deadline_s is None else max(0.0, flight.started + self._deadline_s - time.monotonic())
+            if not flight.done.wait(wait):
+                raise FlightTimeout(f"the collection has been running for {time.monotonic() - flight.started:.0f} s, "
+                                    f"past its {self._deadline_s:g} s deadline")  # fmt: skip
         if flight.error is not None:
             raise flight.error
         assert flight.result is not None
@@ -90,17 +90,6 @@ class SingleFlight(Generic[T]):
             with self._lock:
                 self._flight = None
             flight.done.set()
-
-    def _hand_over(self, flight: _Flight[T]) -> None:
-        with self._lock:
-            if self._runner is None:  # a daemon: a call that never returns must not hold up the exit
-                self._runner = threading.Thread(target=self._run, name="kv-exporter-collection", daemon=True)
-                self._runner.start()
-        self._handed_over.put(flight)
-
-    def _run(self) -> None:
-        while True:
-            self._fly(self._handed_over.get())
 
     def running_for(self) -> float:
         """How long the call in progress has been running; 0 when none is."""

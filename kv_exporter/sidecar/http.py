@@ -37,7 +37,8 @@ DEFAULT_LISTEN_ADDRESS = f":{DEFAULT_PORT}"
 DEMO_LISTEN_ADDRESS = "127.0.0.1:9477"  # the demo's: loopback only
 # Requests answered at once; workers start as requests need them. Scrapes answered at once share one collection
 # and one rendering: with 8 workers, 50 scrapers made 4x the collections and 30% fewer scrapes a second than with
-# as many workers as scrapers. A worker waiting on a stuck collection is freed at the collection deadline.
+# as many workers as scrapers. A worker waiting on a stuck collection is freed at the collection deadline; the one
+# running it stays with it (its request is answered 503 at the deadline all the same).
 MAX_WORKERS = 64
 # The kernel's queue of connections not yet accepted. With 5 (socketserver's default), a burst of new connections
 # lost SYNs and waited out the 1 s retransmit: 32 scrapers connecting at once saw ~2 s first scrapes
@@ -84,6 +85,7 @@ class ExporterServer:
         self._server = Server(listeners, self._submit, self._tls, limits)
         self._max_requests = limits.max_requests
         self._scrape_slots = threading.BoundedSemaphore(limits.max_requests) if limits.max_requests else None
+        self._answer_deadline_s = app.collection.settings.deadline_s
 
     def web_config_now(self, wait_s: float | None = None) -> WebConfig | None:
         if self.web_config is None:
@@ -122,9 +124,35 @@ class ExporterServer:
         return None if config is None or context is None else (context, config.allowed_sans)
 
     def _submit(self, request: Request) -> asyncio.Future[Reply]:
-        """On the server's loop: the answer to `request`, from a worker thread."""
+        """On the server's loop: the answer to `request`, from a worker thread, or a 503 at the collection deadline
+        when the worker has none by then (as Go's http.TimeoutHandler answers): the worker that met a stuck collection
+        first is the one running it (`SingleFlight`), and stays with it."""
         workers = self._password_workers if self._needs_password_check(request) else self._workers
-        return workers.submit(self._serve_safely, request)
+        answer = workers.submit(self._serve_safely, request)
+        reply: asyncio.Future[Reply] = answer.get_loop().create_future()
+
+        def late() -> None:
+            if not reply.done():
+                text = self.app.trouble() or f"no answer within {self._answer_deadline_s:g} s"
+                config = self.web_config_now(wait_s=0)
+                headers = config.headers if config is not None else {}
+                reply.set_result((encode(request, Answer(503, f"{text}\n".encode()), headers, True), True))
+
+        timer = answer.get_loop().call_later(self._answer_deadline_s, late)
+
+        def answered(done: asyncio.Future[Reply]) -> None:
+            timer.cancel()
+            if reply.done():
+                return
+            if done.cancelled():
+                reply.cancel()
+            elif (error := done.exception()) is not None:
+                reply.set_exception(error)
+            else:
+                reply.set_result(done.result())
+
+        answer.add_done_callback(answered)
+        return reply
 
     def _needs_password_check(self, request: Request) -> bool:
         """On the server's loop: whether answering would run bcrypt (never waiting for a web config check)."""

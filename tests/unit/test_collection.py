@@ -275,31 +275,35 @@ def test_single_flight_propagates_errors_and_recovers() -> None:
     assert flight() == 7
 
 
-def test_a_stuck_call_costs_its_callers_at_most_the_deadline_and_is_never_run_twice() -> None:
+def test_a_stuck_call_holds_its_first_caller_only_and_is_never_run_twice() -> None:
     calls: list[int] = []
     release = threading.Event()
 
     def stuck() -> int:
-        calls.append(1)
+        calls.append(threading.get_ident())
         release.wait(30)  # a read that does not return
         return len(calls)
 
     flight = SingleFlight(stuck, deadline_s=0.3)
+    first: list[int] = []
+    leader = threading.Thread(target=lambda: first.append(flight()))
     started = time.monotonic()
+    leader.start()
+    while not calls:
+        time.sleep(0.001)
+    assert calls == [leader.ident]  # run by the caller that started it, not handed to another thread
     with pytest.raises(FlightTimeout, match=r"past its 0\.3 s deadline"):
-        flight()  # the caller that started it gives up too
+        flight()  # a caller that joins gives up at the deadline
     assert 0.25 < time.monotonic() - started < 2
-    assert flight.running_for() >= 0.3
+    assert flight.running_for() >= 0.3 and leader.is_alive()
     quick = time.monotonic()
     with pytest.raises(FlightTimeout):
         flight()  # a later caller joins the stuck call, past its deadline already
     assert time.monotonic() - quick < 0.2
-    assert calls == [1]
+    assert len(calls) == 1
     release.set()
-    deadline = time.monotonic() + 5
-    while flight.running_for() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert flight.running_for() == 0
+    leader.join(5)
+    assert first == [1] and flight.running_for() == 0
     assert flight() == 2  # back to normal once it returned
 
 
