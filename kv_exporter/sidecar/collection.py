@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 from kv_exporter.gpu import NVML_ERROR_REASONS, SOURCE_NVML, GpuReader
 from kv_exporter.manifest import DEFAULT_LIMITS, ManifestLimits
 from kv_exporter.printable import printable
-from kv_exporter.procfs import current_pid_namespace
+from kv_exporter.procfs import ProcessWatch, current_pid_namespace
 from kv_exporter.sidecar.allocator import return_free_memory
 from kv_exporter.sidecar.budget import DEFAULT_MAX_LABEL_BYTES, DEFAULT_MAX_SERIES, SeriesCap
 from kv_exporter.sidecar.declared import DeclaredCache
@@ -134,6 +134,7 @@ class Collection:
         self.store = ManifestStore(settings.manifest_dir, settings.manifest_limits)
         self.pages = EnginePages(settings.targets, settings.fetch_timeout_s, settings.max_page_bytes)
         self.observations = ObservationAccount()
+        self.processes = ProcessWatch(settings.proc)
         self.declared = DeclaredCache()
         nvml = gpu_reader is not None and gpu_reader.source == SOURCE_NVML
         self.nvml_errors_total: Counter[str] = Counter(dict.fromkeys(NVML_ERROR_REASONS if nvml else (), 0))
@@ -146,7 +147,7 @@ class Collection:
         # The engines answer while the manifests are read: the pages are read in this thread, so nothing competes
         # for the GIL (fetch threads did: 4.6 against 4.0 ms of CPU a scrape, docs/benchmarks.md).
         reads = self.pages.begin()
-        entries = assess(self.store.load(), self.our_namespace, self.settings.proc)
+        entries = assess(self.store.load(), self.our_namespace, self.settings.proc, self.processes)
         pages = self.pages.finish(reads)
         gpu = read_gpus(self.gpu_reader, entries)
         self._account_gpu(gpu)
@@ -204,6 +205,7 @@ class Collection:
 
     def close(self) -> None:
         self.pages.close()
+        self.processes.close()
 
 
 class KVCollector(Collector):

@@ -28,6 +28,7 @@ from kv_exporter.manifest import (
 )
 from kv_exporter.observation import ObservationState
 from kv_exporter.printable import printable
+from kv_exporter.procfs import ProcessWatch
 from kv_exporter.sidecar.engine_page import (
     DEFAULT_MAX_PAGE_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -152,10 +153,13 @@ def _refusal(entry: ManifestEntry, now: float) -> tuple[str, str, float] | None:
 
 
 def assess(
-    loaded: Sequence[tuple[str, Manifest | ManifestError]], our_namespace: str | None, proc: str = "/proc"
+    loaded: Sequence[tuple[str, Manifest | ManifestError]],
+    our_namespace: str | None,
+    proc: str = "/proc",
+    watch: ProcessWatch | None = None,
 ) -> list[ManifestEntry]:
     valid = [(path, item) for path, item in loaded if isinstance(item, Manifest)]
-    verdicts = classify(valid, our_namespace, proc)
+    verdicts = classify(valid, our_namespace, proc, watch)
     entries = []
     for path, item in loaded:
         if isinstance(item, Manifest):

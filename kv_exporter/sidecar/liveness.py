@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kv_exporter.manifest import Manifest
-from kv_exporter.procfs import process_start_ticks
+from kv_exporter.procfs import ProcessWatch, process_start_ticks
 
 
 class State(str, Enum):
@@ -36,9 +36,9 @@ class Verdict:
     why: str  # a short human sentence, shown on the landing page and in logs
 
 
-def _process_verdict(manifest: Manifest, proc: str) -> Verdict:
+def _process_verdict(manifest: Manifest, ticks: int | None) -> Verdict:
+    """`ticks`: the start time of the manifest's pid now (None: no such process)."""
     process = manifest.process
-    ticks = process_start_ticks(process.pid, proc)
     if ticks is None:
         return Verdict(State.STALE, f"process {process.pid} is gone")
     if process.start_time_ticks is not None and ticks != process.start_time_ticks:
@@ -61,16 +61,22 @@ def verifiable(manifest: Manifest, our_namespace: str | None) -> bool:
 
 
 def classify(
-    manifests: Sequence[tuple[str, Manifest]], our_namespace: str | None, proc: str = "/proc"
+    manifests: Sequence[tuple[str, Manifest]],
+    our_namespace: str | None,
+    proc: str = "/proc",
+    watch: ProcessWatch | None = None,
 ) -> dict[str, Verdict]:
-    """Verdict per manifest path (every path given gets one)."""
+    """Verdict per manifest path (every path given gets one). `watch`: the start times of the processes it watches
+    come without reading /proc (a collection keeps one from scrape to scrape)."""
     verdicts: dict[str, Verdict] = {}
     unverifiable: list[tuple[str, Manifest]] = []
+    checked: list[tuple[str, Manifest]] = []
     for path, manifest in manifests:
-        if verifiable(manifest, our_namespace):
-            verdicts[path] = _process_verdict(manifest, proc)
-        else:
-            unverifiable.append((path, manifest))
+        (checked if verifiable(manifest, our_namespace) else unverifiable).append((path, manifest))
+    pids = {manifest.process.pid for _, manifest in checked}
+    now = watch.start_ticks(pids) if watch is not None else {pid: process_start_ticks(pid, proc) for pid in pids}
+    for path, manifest in checked:
+        verdicts[path] = _process_verdict(manifest, now[manifest.process.pid])
     newest: dict[tuple[str, int, int], Manifest] = {}
     for _, manifest in unverifiable:
         key = _engine_of(manifest)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
+import pytest
+
+from kv_exporter import procfs
 from kv_exporter.manifest import Manifest, ProcessInfo, current_pid_namespace, process_start_ticks
+from kv_exporter.procfs import ProcessWatch
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS
 from kv_exporter.sidecar.liveness import State, classify
 from tests.support.manifests import reference_manifest
@@ -83,3 +89,55 @@ def test_unknown_namespace_is_not_verifiable() -> None:
     m = with_process(reference_manifest(QWEN3_TTS), ProcessInfo(pid, ticks, None, "h"))
     assert classify([("a", m)], OURS)["a"].state is State.LIVE  # only the newest rule applies
     assert classify([("a", m)], None)["a"].state is State.LIVE
+
+
+def test_a_watched_process_is_read_from_proc_once_and_its_exit_seen_at_the_next_scrape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reads: list[int] = []
+    read = procfs.process_start_ticks
+
+    def counted(pid: int, proc: str = "/proc") -> int | None:
+        reads.append(pid)
+        return read(pid, proc)
+
+    monkeypatch.setattr(procfs, "process_start_ticks", counted)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        m = with_process(reference_manifest(QWEN3_TTS), ProcessInfo.current())
+        theirs = with_process(m, replace(m.process, pid=child.pid, start_time_ticks=process_start_ticks(child.pid)))
+        watch = ProcessWatch()
+        for _ in range(3):
+            verdicts = classify([("ours", m), ("theirs", theirs), ("again", theirs)], OURS, watch=watch)
+            assert {v.state for v in verdicts.values()} == {State.LIVE}
+        assert sorted(reads) == sorted([os.getpid(), child.pid])  # once each, not once a scrape or a manifest
+        child.kill()  # not reaped yet: a zombie, which /proc still shows
+        deadline = time.monotonic() + 5
+        while classify([("theirs", theirs)], OURS, watch=watch)["theirs"].state is State.LIVE:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert classify([("theirs", theirs)], OURS)["theirs"].state is State.LIVE  # /proc: the zombie is there
+    finally:
+        child.kill()
+        child.wait(10)
+    assert classify([("theirs", theirs)], OURS, watch=watch)["theirs"].state is State.STALE  # reaped
+    watch.close()
+
+
+def test_a_watch_holds_descriptors_only_for_the_processes_asked_about() -> None:
+    fds = len(os.listdir("/proc/self/fd"))
+    watch = ProcessWatch(most=2)
+    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(3)]
+    try:
+        pids = [c.pid for c in children]
+        ticks = watch.start_ticks(pids)
+        assert ticks == {pid: process_start_ticks(pid) for pid in pids}  # the third from /proc: over `most`
+        assert len(os.listdir("/proc/self/fd")) == fds + 2
+        watch.start_ticks(pids[:1])
+        assert len(os.listdir("/proc/self/fd")) == fds + 1
+        watch.close()
+        assert len(os.listdir("/proc/self/fd")) == fds
+    finally:
+        for child in children:
+            child.kill()
+            child.wait(10)
