@@ -40,10 +40,12 @@ from tests.support.node_exporter import node_exporter
 OURS, BASELINE = "kv-exporter", "baseline (plain gauges)"
 OBSERVED = "kv-exporter, observed"
 FLOOR = "floor (raw server, kv-exporter's bytes)"
+LIVE_FLOOR = "floor reading the 3 engine pages first"
 NODE = "node_exporter (default collectors)"
-PEERS = (BASELINE, FLOOR, NODE)  # not kv-exporter: their CPU is not the sidecars'
+PEERS = (BASELINE, FLOOR, LIVE_FLOOR, NODE)  # not kv-exporter: their CPU is not the sidecars'
+NOT_READING_ENGINES = (BASELINE, FLOOR, NODE)
 # The observed page carries each owner's series on top of the declarations': it costs more in proportion. What must
-# not change is the cost of a series: the observed set's median per series within 10% of the declared-only one's.
+# not grow is the cost of a series: the observed set's median per series at most 10% above the declared-only one's.
 OBSERVED_BUDGET = 0.10
 MEDIAN_MS = 5.0
 IDLE_GAP_S = 1.0
@@ -61,8 +63,10 @@ The client, in this process, scrapes over HTTP with Prometheus 2.42's headers (O
 keep-alive connection, timing request to last body byte. Peers, same run, same client: prometheus_client's
 start_http_server in its own process serving plain Gauges holding exactly the same series (the baseline); the floor,
 a raw socket server (bench/floor_server.py) answering every request with the response one kv-exporter scrape returned,
-headers and gzip body byte for byte; Debian's prometheus-node-exporter with its default collectors (its own series
-count: per-series figures divide by each page's series).
+headers and gzip body byte for byte, and the same server reading the 3 engine pages before each answer (kept
+connections, requests sent together, nothing parsed: the least a scrape that reads its engines pays); Debian's
+prometheus-node-exporter with its default collectors (its own series count: per-series figures divide by each page's
+series).
 Runs alternate in blocks of 100 scrapes, the first of each block not counted (a wake-up after idling, shown
 apart: "first scrape after 1 s idle"); 50 warm-up scrapes each are not counted. CPU: each server process's
 user + system time over its counted scrapes (less noisy than wall time on a shared machine).
@@ -90,8 +94,8 @@ def main() -> int:
     for name, subject in subjects.items():
         report.stats(f"{name} scrape", stats[name])
         report.note(f"{name}: CPU ms per scrape", f"{subject.cpu_s * 1000 / len(subject.samples):.2f}")
-    sidecar_scrapes = sum(len(s.samples) for name, s in subjects.items() if name not in PEERS)
-    report.note("the 3 engines: CPU ms per sidecar scrape", f"{engines_cpu * 1000 / sidecar_scrapes:.2f}")
+    reads = sum(len(s.samples) for name, s in subjects.items() if name not in NOT_READING_ENGINES)
+    report.note("the 3 engines: CPU ms per scrape that reads them", f"{engines_cpu * 1000 / reads:.2f}")
     ours = stats[OURS]
     for other in (name for name in subjects if name != OURS):
         report.ratio(f"median ({OURS} / {other})", ours.median, stats[other].median)
@@ -101,6 +105,9 @@ def main() -> int:
     report.check(f"p99 <= {P99_MS:g} ms", f"{ours.p99:.2f} ms", ours.p99 <= P99_MS)
     floor = ours.median / stats[FLOOR].median
     report.check(f"median <= {FLOOR_RATIO:g}x the floor's", f"{floor:.2f} x", floor <= FLOOR_RATIO)
+    live = stats[LIVE_FLOOR].median
+    report.note(f"median of {LIVE_FLOOR} / the floor's", f"{live / stats[FLOOR].median:.2f} x")
+    report.note(f"median, {OURS} less {LIVE_FLOOR}", f"{ours.median - live:.2f} ms")
     node = (ours.median / series[OURS]) / (stats[NODE].median / series[NODE])
     report.note(f"CPU per series ({OURS} / {NODE})", f"{_cpu_per_series(subjects, series, OURS, NODE):.3f}")
     report.check(
@@ -115,9 +122,9 @@ def main() -> int:
     report.note(f"CPU ({OBSERVED} / {OURS})", f"{subjects[OBSERVED].cpu_s / subjects[OURS].cpu_s:.3f}")
     report.note(f"median per series ({OBSERVED} / {OURS})", f"{per_series:.3f}")
     report.check(
-        f"observed set's median per series within {OBSERVED_BUDGET:.0%} of the declared-only one's",
+        f"observed set's median per series at most {OBSERVED_BUDGET:.0%} above the declared-only one's",
         f"{per_series:.3f} x",
-        abs(per_series - 1) <= OBSERVED_BUDGET,
+        per_series <= 1 + OBSERVED_BUDGET,
     )
     report.finish(args.json_out)
     return 0
@@ -158,6 +165,7 @@ def measure(
     ours = Scraper("127.0.0.1", running.port)
     _, body, headers = ours.scrape()
     floor_pid, floor_port = start_floor(kids, capture_response(body, headers), tmp)
+    live_pid, live_port = start_floor(kids, capture_response(body, headers), tmp, running.engine_ports)
     node, (_, node_port) = peers.enter_context(node_exporter(tmp, flags=()))
     series[NODE] = series_count(equivalent_spec(text_page(node_port)))
     report.note(f"series on {NODE}'s page", series[NODE])
@@ -166,6 +174,7 @@ def measure(
         OBSERVED: Subject(observed.pid, Scraper("127.0.0.1", observed.port)),
         BASELINE: Subject(baseline_pid, Scraper("127.0.0.1", baseline_port)),
         FLOOR: Subject(floor_pid, Scraper("127.0.0.1", floor_port)),
+        LIVE_FLOOR: Subject(live_pid, Scraper("127.0.0.1", live_port)),
         NODE: Subject(node.pid, Scraper("127.0.0.1", node_port)),
     }
     if compare_with:
