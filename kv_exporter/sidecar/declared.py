@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from kv_exporter.manifest import Declaration, Manifest, PodInfo
 from kv_exporter.sidecar.engine_page import EngineKey
-from kv_exporter.sidecar.records import Placement, engine_key
+from kv_exporter.sidecar.records import DeviceKey, Placement, engine_key
 
 
 @dataclass(frozen=True, slots=True)
 class PlacedDeclaration:
-    """One declaration of a live manifest, on the GPU its manifest sits on."""
+    """One declaration of a live manifest, on the GPU its manifest sits on, with the figures every scrape reads."""
 
     engine: EngineKey
     placement: Placement
@@ -27,18 +27,25 @@ class PlacedDeclaration:
     declaration: Declaration
     max_num_seqs: int
     ceiling_rows: int
+    ceiling_bytes: int
+    scales: bool  # rows follow the running count (up to max_num_seqs); else rows_fixed
 
-    @property
-    def ceiling_bytes(self) -> int:
-        return self.declaration.bytes_per_row * self.ceiling_rows
+    def rows_at(self, running: int | None) -> int:
+        """Rows live at the engine's running count (None: unreadable, 0 rows), capped at max_num_seqs."""
+        return max(0, min(running or 0, self.max_num_seqs)) if self.scales else self.declaration.rows_fixed
 
 
 def place(manifest: Manifest, placement: Placement) -> tuple[PlacedDeclaration, ...]:
-    key = engine_key(manifest)
-    return tuple(
-        PlacedDeclaration(key, placement, manifest.pod, d, manifest.max_num_seqs, d.row_count(manifest.max_num_seqs))
-        for d in manifest.declarations
-    )
+    key, seqs = engine_key(manifest), manifest.max_num_seqs
+    placed = []
+    for d in manifest.declarations:
+        rows = d.row_count(seqs)
+        placed.append(
+            PlacedDeclaration(
+                key, placement, manifest.pod, d, seqs, rows, d.bytes_per_row * rows, d.rows.scales_with_max_num_seqs
+            )
+        )
+    return tuple(placed)
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,6 +54,8 @@ class Declared:
 
     ordered: tuple[PlacedDeclaration, ...]
     placed: tuple[tuple[PlacedDeclaration, ...], ...]  # per manifest, what `ordered` was sorted from
+    by_engine: tuple[tuple[EngineKey, tuple[int, ...]], ...]  # each engine and where its declarations are in `ordered`
+    by_device: dict[DeviceKey, tuple[int, ...]]  # each placement's device key and the same
 
 
 def declared(placed: Sequence[tuple[PlacedDeclaration, ...]]) -> Declared:
@@ -54,7 +63,17 @@ def declared(placed: Sequence[tuple[PlacedDeclaration, ...]]) -> Declared:
         itertools.chain.from_iterable(placed),
         key=lambda p: (p.engine, p.placement.gpu, p.declaration.owner, p.declaration.name),
     )
-    return Declared(tuple(ordered), tuple(placed))
+    by_engine: dict[EngineKey, list[int]] = {}
+    by_device: dict[DeviceKey, list[int]] = {}
+    for index, one in enumerate(ordered):
+        by_engine.setdefault(one.engine, []).append(index)
+        by_device.setdefault(one.placement.key, []).append(index)
+    return Declared(
+        tuple(ordered),
+        tuple(placed),
+        tuple((engine, tuple(at)) for engine, at in by_engine.items()),
+        {key: tuple(at) for key, at in by_device.items()},
+    )
 
 
 _Placed = tuple[PlacedDeclaration, ...]
@@ -89,7 +108,7 @@ class DeclaredCache:
         self._by_value: dict[_Key, _Placed] = {}
         self._used_objects: dict[int, tuple[Manifest, Placement, _Key, _Placed]] = {}
         self._used_values: dict[_Key, _Placed] = {}
-        self._declared = Declared((), ())
+        self._declared = declared(())
 
     def place(self, manifest: Manifest, placement: Placement) -> _Placed:
         known = self._by_object.get(id(manifest))

@@ -8,7 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kv_exporter.manifest import PodInfo
 from kv_exporter.sidecar.buildinfo import build_info
-from kv_exporter.sidecar.declared import Declared, PlacedDeclaration
+from kv_exporter.sidecar.declared import Declared, PlacedDeclaration, declared
 from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.exposition import CounterRows, GaugeRows
 from kv_exporter.sidecar.observed import Observed, ObservedState
@@ -103,7 +103,7 @@ class DeclarationFamilies:
     object (the snapshot's cache keeps it so while no manifest changes what it declares)."""
 
     def __init__(self) -> None:
-        self._last = _Declared(Declared((), ()))
+        self._last = _Declared(declared(()))
 
     def __call__(self, snapshot: Snapshot) -> list[Metric]:
         last = self._last

@@ -25,7 +25,6 @@ from kv_exporter.sidecar.records import (
     ManifestEntry,
     PageResult,
     Placement,
-    capped_running,
     device_keys,
     engine_key,
     first_rank,
@@ -40,6 +39,7 @@ class DeclarationView:
     placed: PlacedDeclaration
     running: int | None
     estimate_rows: int
+    estimate_bytes: int
 
     @property
     def model_name(self) -> str:
@@ -52,10 +52,6 @@ class DeclarationView:
     @property
     def ceiling_bytes(self) -> int:
         return self.placed.ceiling_bytes
-
-    @property
-    def estimate_bytes(self) -> int:
-        return self.placed.declaration.bytes_per_row * self.estimate_rows
 
     @property
     def headroom_needed(self) -> int:
@@ -119,7 +115,6 @@ class Snapshot:
 
 
 RunningCounts = dict[EngineKey, tuple[int, str]]  # running count and the page it came from
-Views = Sequence[DeclarationView]
 
 
 def running_counts(pages: Sequence[PageResult]) -> RunningCounts:
@@ -136,12 +131,17 @@ def running_counts(pages: Sequence[PageResult]) -> RunningCounts:
 
 
 def declaration_views(declared: Declared, running: RunningCounts) -> list[DeclarationView]:
-    views = []
-    for placed in declared.ordered:
-        known = running.get(placed.engine)
-        # Engine unreadable: MAX_NUM_SEQS rows fall back to 0, so the projected peak stays an upper bound.
-        rows = placed.declaration.rows_at(capped_running(known, placed.max_num_seqs) or 0)
-        views.append(DeclarationView(placed, known[0] if known else None, rows))
+    """One view per declaration, in `declared.ordered`'s order."""
+    ordered = declared.ordered
+    views: list[DeclarationView] = [None] * len(ordered)  # type: ignore[list-item]  # each index set below
+    for engine, at in declared.by_engine:
+        known = running.get(engine)
+        count = known[0] if known else None
+        for index in at:
+            placed = ordered[index]
+            # Engine unreadable: MAX_NUM_SEQS rows fall back to 0, so the projected peak stays an upper bound.
+            rows = placed.rows_at(count)
+            views[index] = DeclarationView(placed, count, rows, placed.declaration.bytes_per_row * rows)
     return views
 
 
@@ -187,13 +187,16 @@ def safe_max_num_seqs(
     resident = {(o.key, o.placement, o.pod, o.owner): o.resident_bytes for o in owners if o.resident_bytes}
     scaling = [(o.running or 0, o.unexplained_per_sequence) for o in owners if o.unexplained_per_sequence]
     for v in views:
-        if not v.declaration.rows.scales_with_max_num_seqs:
+        placed = v.placed
+        if not placed.scales:
             continue
-        per_row, placed = v.declaration.bytes_per_row, v.placed
-        owner = (placed.engine, placed.placement, placed.pod, v.declaration.owner)
-        held = min(resident.get(owner, 0) // per_row if per_row else 0, placed.ceiling_rows - v.estimate_rows)
-        if held > 0:
-            resident[owner] -= held * per_row
+        per_row = placed.declaration.bytes_per_row
+        held = 0
+        if resident:
+            owner = (placed.engine, placed.placement, placed.pod, placed.declaration.owner)
+            held = min(resident.get(owner, 0) // per_row if per_row else 0, placed.ceiling_rows - v.estimate_rows)
+            if held > 0:
+                resident[owner] -= held * per_row
         scaling.append((v.estimate_rows + max(0, held), per_row))
     if not any(per_row for _, per_row in scaling):  # nothing grows
         return None
@@ -212,11 +215,14 @@ def safe_max_num_seqs(
 
 
 def gpu_views(
-    gpu: GpuResult, entries: Sequence[ManifestEntry], views: Views, owners: Sequence[OwnerView]
+    gpu: GpuResult,
+    entries: Sequence[ManifestEntry],
+    views_at: dict[DeviceKey, list[DeclarationView]],
+    owners: Sequence[OwnerView],
 ) -> list[GpuView]:
+    """`views_at`: the declaration views by their placement's device key."""
     result = []
     # Grouped in one pass each, not one pass per device (docs/benchmarks.md, target 1).
-    views_at = _by_place((v.placed.placement, v) for v in views)
     owners_at = _by_place((o.placement, o) for o in owners)
     pids_at = _by_place((placement(e.manifest, gpu), e.manifest.process.pid) for e in entries if e.manifest and e.live)
     for device in gpu.devices:
@@ -294,6 +300,9 @@ def build_snapshot(
     # The cap limits series, not truth: left-out manifests still count in their GPU's projected peak.
     unexported = declaration_views(declared(_placed(dropped, gpu, cache)), running) if dropped else []
     cache.end_scrape()
+    views_at = {key: [views[i] for i in at] for key, at in declared_now.by_device.items()}
+    for view in unexported:  # the same device keys as placements give them
+        views_at.setdefault(view.placed.placement.key, []).append(view)
     unexported_owners = observe(dropped, running, gpu, taken_at).owners if dropped else ()
     return Snapshot(
         manifests=tuple(_mark_dropped(entries, dropped) if dropped else entries),
@@ -301,7 +310,7 @@ def build_snapshot(
         declarations=tuple(views),
         engines=tuple(engine_views(kept, running, limited.page_engines)),
         pages=tuple(pages),
-        gpus=tuple(gpu_views(gpu, entries, [*views, *unexported], [*observed.owners, *unexported_owners])),
+        gpus=tuple(gpu_views(gpu, entries, views_at, [*observed.owners, *unexported_owners])),
         gpu=gpu,
         manifest_errors_total=dict(manifest_errors_total or {}),
         page_errors_total=dict(page_errors_total or {}),
