@@ -108,7 +108,7 @@ class DeclaredCache:
         self._by_value: dict[_Key, _Placed] = {}
         self._used_objects: dict[int, tuple[Manifest, Placement, _Key, _Placed]] = {}
         self._used_values: dict[_Key, _Placed] = {}
-        self._declared = declared(())
+        self._declared = {True: declared(()), False: declared(())}
 
     def place(self, manifest: Manifest, placement: Placement) -> _Placed:
         known = self._by_object.get(id(manifest))
@@ -122,11 +122,13 @@ class DeclaredCache:
         self._used_objects[id(manifest)] = (manifest, placement, key, result)
         return result
 
-    def declared(self, placed: Sequence[_Placed]) -> Declared:
-        last = self._declared.placed
-        if len(last) != len(placed) or any(a is not b for a, b in zip(last, placed, strict=True)):
-            self._declared = declared(placed)
-        return self._declared
+    def declared(self, placed: Sequence[_Placed], exported: bool = True) -> Declared:
+        """`exported`: the declarations on the page, or those the series cap left out (the projection still counts
+        them): each set is kept apart, so neither is sorted again on every scrape while it stays the same."""
+        last = self._declared[exported]
+        if len(last.placed) != len(placed) or any(a is not b for a, b in zip(last.placed, placed, strict=True)):
+            last = self._declared[exported] = declared(placed)
+        return last
 
     def end_scrape(self) -> None:
         self._by_object, self._used_objects = self._used_objects, {}

@@ -15,7 +15,7 @@ from typing import TypeVar
 from kv_exporter.gpu import GpuMemory
 from kv_exporter.manifest import Declaration, Manifest, PodInfo
 from kv_exporter.sidecar.budget import NO_CAP, SeriesCap, limit_series
-from kv_exporter.sidecar.declared import Declared, DeclaredCache, PlacedDeclaration, declared
+from kv_exporter.sidecar.declared import Declared, DeclaredCache, PlacedDeclaration
 from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.liveness import State, Verdict
 from kv_exporter.sidecar.observed import Observed, OwnerView, observe
@@ -298,7 +298,7 @@ def build_snapshot(
     views = declaration_views(declared_now, running)
     observed = observe(kept, running, gpu, taken_at)
     # The cap limits series, not truth: left-out manifests still count in their GPU's projected peak.
-    unexported = declaration_views(declared(_placed(dropped, gpu, cache)), running) if dropped else []
+    unexported = declaration_views(cache.declared(_placed(dropped, gpu, cache), exported=False), running)
     cache.end_scrape()
     views_at = {key: [views[i] for i in at] for key, at in declared_now.by_device.items()}
     for view in unexported:  # the same device keys as placements give them
