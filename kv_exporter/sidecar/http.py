@@ -129,30 +129,17 @@ class ExporterServer:
         first is the one running it (`SingleFlight`), and stays with it."""
         workers = self._password_workers if self._needs_password_check(request) else self._workers
         answer = workers.submit(self._serve_safely, request)
-        reply: asyncio.Future[Reply] = answer.get_loop().create_future()
 
-        def late() -> None:
-            if not reply.done():
+        def late() -> None:  # the worker's own answer, if it ever comes, is then dropped (`Workers` skips it)
+            if not answer.done():
                 text = self.app.trouble() or f"no answer within {self._answer_deadline_s:g} s"
                 config = self.web_config_now(wait_s=0)
                 headers = config.headers if config is not None else {}
-                reply.set_result((encode(request, Answer(503, f"{text}\n".encode()), headers, True), True))
+                answer.set_result((encode(request, Answer(503, f"{text}\n".encode()), headers, True), True))
 
         timer = answer.get_loop().call_later(self._answer_deadline_s, late)
-
-        def answered(done: asyncio.Future[Reply]) -> None:
-            timer.cancel()
-            if reply.done():
-                return
-            if done.cancelled():
-                reply.cancel()
-            elif (error := done.exception()) is not None:
-                reply.set_exception(error)
-            else:
-                reply.set_result(done.result())
-
-        answer.add_done_callback(answered)
-        return reply
+        answer.add_done_callback(lambda _: timer.cancel())
+        return answer
 
     def _needs_password_check(self, request: Request) -> bool:
         """On the server's loop: whether answering would run bcrypt (never waiting for a web config check)."""
