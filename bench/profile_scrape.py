@@ -70,9 +70,12 @@ def main() -> int:
         write_deployment(folder, layout, engines.pid)
         targets = tuple(EngineTarget.parse(f"http://127.0.0.1:{port}/metrics") for port in ports)
         reader = SimulatedGpus(GPU_TOTAL, GPU_USED, layout.gpus, engines.pid)
-        # The series cap raised as in bench.bench_scaling, so that every declaration is on the page.
+        # The series caps raised as in bench.bench_scaling, so that every declaration is on the page.
         settings = CollectionSettings(
-            manifest_dir=str(folder), targets=targets, max_series=20 * layout.declarations + 1000
+            manifest_dir=str(folder),
+            targets=targets,
+            max_series=20 * layout.declarations + 1000,
+            max_label_bytes=max(8 << 20, 2000 * layout.declarations),
         )
         collection = Collection(settings, reader)
         app = ExporterApp(collection)
