@@ -187,6 +187,7 @@ class EnginePages:
         self._loop = asyncio.new_event_loop()
         self._client = Client()
         self._scan_deadline = 0.0
+        self._waiting_since = 0.0
         zeros = ((t.target, reason) for t in self.targets for reason in PAGE_ERROR_REASONS)
         self.errors_total: Counter[tuple[str, str]] = Counter(dict.fromkeys(zeros, 0))
         self._last_reason: dict[str, str | None] = {}
@@ -196,6 +197,7 @@ class EnginePages:
 
     def begin(self) -> list[asyncio.Task[PageResult]]:
         self._scan_deadline = time.monotonic() + self.timeout_s
+        self._waiting_since = time.perf_counter()  # for a read that ends here (none has data yet, one may fail)
         reads = [self._loop.create_task(self._read(target)) for target in self.targets]
         self._loop.run_until_complete(asyncio.sleep(0))  # each read runs to its first wait: its request is out
         return reads
@@ -208,6 +210,7 @@ class EnginePages:
 
     async def _answers(self, reads: list[asyncio.Task[PageResult]]) -> list[PageResult]:
         # The deadline starts now, not at `begin`: the caller's own work in between is not the engines' time.
+        self._waiting_since = time.perf_counter()
         self._scan_deadline = time.monotonic() + self.timeout_s
         _, pending = await asyncio.wait(reads, timeout=self.timeout_s) if reads else (set(), set())
         for read in pending:
@@ -218,10 +221,9 @@ class EnginePages:
         return [self._late(target) if read.cancelled() else read.result() for target, read in answers]
 
     async def _read(self, target: EngineTarget) -> PageResult:
-        started = time.perf_counter()
         try:
             data = await fetch_page(self._client, target, self.max_bytes)
-            return PageResult(target.target, scan_page(data, self._scan_deadline), None, time.perf_counter() - started)
+            return PageResult(target.target, scan_page(data, self._scan_deadline), None, self._waited())
         except EnginePageError as exc:
             # Kept without its traceback: its frames hold what was read (up to --engine-max-bytes), and this frame
             # holding `exc` would make a cycle that only the cyclic GC frees (+4 MiB of RSS a scrape of a 50 MB page).
@@ -229,7 +231,12 @@ class EnginePages:
         except Exception as exc:  # a bug must not take the exporter down: report it like a bad page
             log.exception("engine page %s: unexpected error", target.target)
             error = EnginePageError(INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
-        return PageResult(target.target, None, error, time.perf_counter() - started)
+        return PageResult(target.target, None, error, self._waited())
+
+    def _waited(self) -> float:
+        """How long the collection has waited for the engines: what a page cost the scrape (the time it took while
+        the collection read its manifests cost nothing)."""
+        return max(0.0, time.perf_counter() - self._waiting_since)
 
     def _late(self, target: EngineTarget) -> PageResult:
         late = timed_out(self.timeout_s)

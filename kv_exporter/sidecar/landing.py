@@ -218,7 +218,7 @@ def _engine_section(snapshot: Snapshot) -> str:
         + _num(f"{p.seconds * 1000:.1f} ms")
         for p in pages
     )
-    page_table = _table("pages", ("engine page", "state", "fetch"), page_rows) if pages else ""
+    page_table = _table("pages", ("engine page", "state", "waited for"), page_rows) if pages else ""
     none = "" if pages else "<p>No <code>--engine-url</code> configured: running counts are unknown.</p>"
     return f"<h2>Engines</h2>{table}{page_table}{none}"
 

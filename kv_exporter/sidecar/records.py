@@ -33,7 +33,7 @@ class PageResult:
     target: str
     page: EnginePage | None
     error: EnginePageError | None
-    seconds: float
+    seconds: float  # how long the collection waited for it
 
 
 @dataclass(frozen=True)
