@@ -250,7 +250,11 @@ def test_each_owner_is_what_it_declares_and_holds(scenario: Scenario) -> None:
         for owner, figures in page.items():
             assert figures.ceiling == ceiling(owner), owner
             positions = g.REQUEST_POSITIONS.get(owner, g.NEVER_POSITIONS)
-            assert figures.observed == figures.caches * cache_bytes(positions), owner
+            full = figures.caches * cache_bytes(positions)
+            if reading is scenario.idle:
+                assert figures.observed == full, owner
+            else:  # a cache counts from its creation and fills layer by layer (`filled_cache`): a sample taken
+                assert figures.observed <= full, owner  # in between sees it partly filled (once: 6 of 7 caches whole)
             assert figures.caches <= MAX_NUM_SEQS
             assert figures.peak >= figures.observed and figures.peak % cache_bytes(positions) == 0, owner
         truthful, under, never = page[g.TRUTHFUL_OWNER], page[g.UNDER_OWNER], page[g.NEVER_OWNER]
@@ -259,6 +263,9 @@ def test_each_owner_is_what_it_declares_and_holds(scenario: Scenario) -> None:
         if g.UNDECLARED_OWNER in page:
             assert page[g.UNDECLARED_OWNER].unexplained == page[g.UNDECLARED_OWNER].peak
         assert (never.observed, never.caches, never.peak, never.unexplained) == (0, 0, 0, 0)
+    held = [r.page.owners()[g.TRUTHFUL_OWNER] for r in scenario.busy]
+    whole = cache_bytes(g.REQUEST_POSITIONS[g.TRUTHFUL_OWNER])
+    assert any(f.caches and f.observed == f.caches * whole for f in held), held  # the usual sample: every cache whole
 
 
 def test_the_samples_are_what_the_model_held_to_the_byte(scenario: Scenario) -> None:
