@@ -32,7 +32,7 @@ class PlacedDeclaration:
 
     def rows_at(self, running: int | None) -> int:
         """Rows live at the engine's running count (None: unreadable, 0 rows), capped at max_num_seqs."""
-        return max(0, min(running or 0, self.max_num_seqs)) if self.scales else self.declaration.rows_fixed
+        return self.declaration.rows_at(0 if running is None else min(running, self.max_num_seqs))
 
 
 def place(manifest: Manifest, placement: Placement) -> tuple[PlacedDeclaration, ...]:
