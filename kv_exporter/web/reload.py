@@ -37,8 +37,9 @@ def _load_with_fingerprint(path: Path) -> tuple[WebConfig, _Fingerprint]:
     return config, before + _fingerprint(config.watched_files()[1:])
 
 
-# How long the request that finds a check due waits for it: a check reads a few small files (~1 ms), and tests
-# with a fake clock see its result at once. Every other request, and this one past the wait, gets the config in force.
+# How long a request that finds a check due, or one running, waits for it: a check reads a few small files (~1 ms),
+# so a scrape that follows an edit answers for the file as it is, and tests with a fake clock see the result at once.
+# Past the wait, and between checks, a request gets the config in force.
 CHECK_WAIT_S = 0.2
 # A check still running after this long (a slow disk, an NFS server gone) is reported, and the old config serves on.
 STUCK_AFTER_S = 5.0
@@ -80,9 +81,10 @@ class WebConfigReloader:
         return self.last_error is None
 
     def current(self, wait_s: float = CHECK_WAIT_S) -> WebConfig:
-        """The config in force. When the last check is older than the interval, a new one starts and this caller
-        waits for it at most `wait_s` (0 for a caller that must never wait: the server's loop)."""
-        if self._clock() - self._checked_at < self._interval:
+        """The config in force. When the last check is older than the interval, a new one starts; this caller
+        waits for a check started or running at most `wait_s` (0 for a caller that must never wait: the server's
+        loop, which may start the check that the request it then hands to a worker waits for)."""
+        if self._check is None and self._clock() - self._checked_at < self._interval:
             return self._config
         with self._lock:
             check = self._check

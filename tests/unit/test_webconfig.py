@@ -8,12 +8,14 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
 import bcrypt
 import pytest
 
+import kv_exporter.web.reload as reload_module
 from kv_exporter.web.auth import BCRYPT_MAX_PASSWORD_BYTES, parse_basic_authorization
 from kv_exporter.web.config import ALLOWED_HEADERS, UNSUPPORTED, WebConfig, WebConfigError
 from kv_exporter.web.reload import WebConfigReloader
@@ -352,6 +354,31 @@ def test_a_changed_file_is_reread_at_most_once_per_interval(tmp_path: Path) -> N
     assert not second.check_auth(basic_authorization("a", "s3cret"))
     clock.now += 5
     assert reloader.current() is second  # unchanged file: no reload
+
+
+def test_a_check_started_by_a_caller_that_cannot_wait_is_waited_for_by_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's loop starts the check without waiting; the scrape it hands on must answer for the new file,
+    not for the one before it, even on a loaded machine where the check is still running."""
+    path = write(tmp_path, f"basic_auth_users:\n  a: {HASH}\n")
+    clock = FakeClock()
+    reloader = WebConfigReloader(path, interval=1.0, clock=clock)
+    first = reloader.current()
+    released = threading.Event()
+    load = reload_module._load_with_fingerprint
+
+    def slow_load(config_path: Path) -> tuple[WebConfig, object]:
+        released.wait(5)
+        return load(config_path)
+
+    monkeypatch.setattr(reload_module, "_load_with_fingerprint", slow_load)
+    replace(path, f"basic_auth_users:\n  b: {HASH}\n")
+    clock.now += 2
+    assert reloader.current(wait_s=0) is first  # the loop: check started, not waited for
+    threading.Timer(0.05, released.set).start()
+    assert reloader.current().check_auth(basic_authorization("b", "s3cret"))
+    assert reloader.reloads == 1
 
 
 def test_an_invalid_new_file_keeps_the_last_good_config_and_logs_once(
