@@ -309,13 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
 def run_serve(args: argparse.Namespace) -> int:
     from kv_exporter.gpu import GpuReader, NvmlReader, SimulatedGpu
     from kv_exporter.manifest import ManifestLimits
-    from kv_exporter.sidecar.allocator import keep_large_blocks_returnable
+    from kv_exporter.sidecar.allocator import keep_heaps_returnable
     from kv_exporter.sidecar.collection import Collection, CollectionSettings
     from kv_exporter.sidecar.http import serve_in_thread, server_urls
 
     grace_s = args.engine_timeout + SHUTDOWN_MARGIN_S
     stop = StopRequest.install(bound_s=grace_s + STOP_MARGIN_S)
-    keep_large_blocks_returnable()
+    keep_heaps_returnable()
     reader: GpuReader | None = None
     if args.simulate_gpu:
         reader = SimulatedGpu(total=args.simulate_gpu[0], used=args.simulate_gpu[1])

@@ -3,12 +3,14 @@ until `return_free_memory` hands them back, and it does so only past its slack."
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
 
 from kv_exporter.sidecar.allocator import FREE_SLACK_BYTES, free_heap_bytes, resident_bytes, return_free_memory
-from tests.support.constants import MIB
+from tests.support.constants import MIB, REPO
 
 pytestmark = pytest.mark.skipif(free_heap_bytes() is None, reason="the C library is not glibc")
 
@@ -76,3 +78,43 @@ def test_memory_freed_after_a_trim_is_handed_back_though_under_the_slack() -> No
     assert resident - resident_bytes() > 2 * MIB, "the blocks freed after the trim went back to the system"
     assert [return_free_memory() for _ in range(3)] == [False] * 3
     assert len(kept) == -(-BLOCKS // KEEP_EVERY)
+
+
+# In a fresh process: eight threads allocate at once (each holding the GIL in turn while the others hold blocks),
+# then glibc's own report (malloc_info) says how many heaps it made.
+HEAPS_AFTER_THREADS = """
+import ctypes, sys, tempfile, threading
+from kv_exporter.sidecar.allocator import keep_heaps_returnable
+if sys.argv[1] == "set":
+    assert keep_heaps_returnable()
+go, held = threading.Barrier(8), []
+def work():
+    go.wait()
+    held.append([bytes(1_100) for _ in range(2_000)])
+    go.wait()
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+libc = ctypes.CDLL(None)
+libc.fopen.restype = ctypes.c_void_p
+libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
+libc.fclose.argtypes = (ctypes.c_void_p,)
+with tempfile.NamedTemporaryFile("r") as out:
+    stream = libc.fopen(out.name.encode(), b"w")
+    libc.malloc_info(0, stream)
+    libc.fclose(stream)
+    print(out.read().count("<heap nr="))
+"""
+
+
+def heaps_after_threads(setting: str) -> int:
+    run = subprocess.run([sys.executable, "-c", HEAPS_AFTER_THREADS, setting], cwd=REPO, capture_output=True,
+                         text=True, timeout=60, check=True)  # fmt: skip
+    return int(run.stdout)
+
+
+def test_threads_share_one_heap_once_set() -> None:
+    """A burst of scrapes runs collections in many worker threads: each made a heap of its own that kept its free
+    blocks (tests/reliability/test_memory.py, burst). Set, they share glibc's first heap."""
+    assert heaps_after_threads("default") > 1  # what glibc does unset, or this test could not fail
+    assert heaps_after_threads("set") == 1
