@@ -99,6 +99,11 @@ class SimulatedEngine:
         return f"http://127.0.0.1:{self.port}{path}"
 
     @property
+    def open_connections(self) -> int:
+        """Connections open now (kept by clients, not yet closed for idling or by `stop`)."""
+        return 0 if self._server is None else len(self._server.connections)
+
+    @property
     def fault(self) -> str:
         return self._fault if self._server is not None else REFUSED
 
