@@ -349,11 +349,16 @@ class Connection(asyncio.BufferedProtocol):
         self.buffer.clear()
         self.host.waiting(self, first=True)  # the first to go when room is needed
         self.expire_in(LINGER_S)
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-            self.transport.resume_reading()
-        else:
+        if not self.transport.can_write_eof():
             self.transport.close()
+            return
+        try:
+            self.transport.write_eof()
+        except OSError:  # the client is gone (its kernel reset our answer: ENOTCONN), as Go ignores CloseWrite's error
+            log.debug("the client was gone before the answer ended")
+            self.abort()
+            return
+        self.transport.resume_reading()
 
     def has_input(self) -> bool:
         """Whether the client has sent bytes not read yet (in the kernel, below any TLS layer)."""
