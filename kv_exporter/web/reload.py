@@ -37,9 +37,9 @@ def _load_with_fingerprint(path: Path) -> tuple[WebConfig, _Fingerprint]:
     return config, before + _fingerprint(config.watched_files()[1:])
 
 
-# How long a request that finds a check due, or one running, waits for it: a check reads a few small files (~1 ms),
-# so a scrape that follows an edit answers for the file as it is, and tests with a fake clock see the result at once.
-# Past the wait, and between checks, a request gets the config in force.
+# How long after a check begins the requests that find it due or running wait for it: a check reads a few small files
+# (~1 ms), so a scrape that follows an edit answers for the file as it is, and tests with a fake clock see the result
+# at once. Past the wait, and between checks, a request gets the config in force.
 CHECK_WAIT_S = 0.2
 # A check still running after this long (a slow disk, an NFS server gone) is reported, and the old config serves on.
 STUCK_AFTER_S = 5.0
@@ -82,8 +82,9 @@ class WebConfigReloader:
 
     def current(self, wait_s: float = CHECK_WAIT_S) -> WebConfig:
         """The config in force. When the last check is older than the interval, a new one starts; this caller
-        waits for a check started or running at most `wait_s` (0 for a caller that must never wait: the server's
-        loop, which may start the check that the request it then hands to a worker waits for)."""
+        waits for a check it started or found running until `wait_s` after that check began (0 for a caller that
+        must never wait: the server's loop, which may start the check that the request it then hands to a worker
+        waits for). A stuck check holds each request only in its first `wait_s`."""
         if self._check is None and self._clock() - self._checked_at < self._interval:
             return self._config
         with self._lock:
@@ -95,7 +96,7 @@ class WebConfigReloader:
                 check.start()
         if check is not None:
             if wait_s > 0:
-                check.join(wait_s)
+                check.join(max(0.0, self._check_started + wait_s - time.monotonic()))
             if check.is_alive():
                 self._report_stuck()
         return self._config

@@ -356,29 +356,51 @@ def test_a_changed_file_is_reread_at_most_once_per_interval(tmp_path: Path) -> N
     assert reloader.current() is second  # unchanged file: no reload
 
 
-def test_a_check_started_by_a_caller_that_cannot_wait_is_waited_for_by_the_next(
+@pytest.fixture
+def edited_with_held_check(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The server's loop starts the check without waiting; the scrape it hands on must answer for the new file,
-    not for the one before it, even on a loaded machine where the check is still running."""
+) -> tuple[WebConfigReloader, threading.Event]:
+    """A reloader past its interval after an edit, whose next check reads the file only once the event is set."""
     path = write(tmp_path, f"basic_auth_users:\n  a: {HASH}\n")
     clock = FakeClock()
     reloader = WebConfigReloader(path, interval=1.0, clock=clock)
-    first = reloader.current()
     released = threading.Event()
     load = reload_module._load_with_fingerprint
 
-    def slow_load(config_path: Path) -> tuple[WebConfig, object]:
-        released.wait(5)
+    def held_load(config_path: Path) -> tuple[WebConfig, object]:
+        released.wait(10)
         return load(config_path)
 
-    monkeypatch.setattr(reload_module, "_load_with_fingerprint", slow_load)
+    monkeypatch.setattr(reload_module, "_load_with_fingerprint", held_load)
     replace(path, f"basic_auth_users:\n  b: {HASH}\n")
     clock.now += 2
-    assert reloader.current(wait_s=0) is first  # the loop: check started, not waited for
+    return reloader, released
+
+
+def test_a_check_started_by_a_caller_that_cannot_wait_is_waited_for_by_the_next(
+    edited_with_held_check: tuple[WebConfigReloader, threading.Event],
+) -> None:
+    """The server's loop starts the check without waiting; the scrape it hands on must answer for the new file,
+    not for the one before it, even on a loaded machine where the check is still running."""
+    reloader, released = edited_with_held_check
+    first = reloader.current(wait_s=0)  # the loop: check started, not waited for
+    assert first.check_auth(basic_authorization("a", "s3cret"))
     threading.Timer(0.05, released.set).start()
     assert reloader.current().check_auth(basic_authorization("b", "s3cret"))
     assert reloader.reloads == 1
+
+
+def test_a_stuck_check_holds_only_the_requests_in_its_first_wait(
+    edited_with_held_check: tuple[WebConfigReloader, threading.Event],
+) -> None:
+    reloader, released = edited_with_held_check
+    began = time.monotonic()
+    reloader.current(wait_s=1.0)
+    assert time.monotonic() - began >= 1.0  # the check began with this request: waited for, up to the wait
+    began = time.monotonic()
+    reloader.current(wait_s=1.0)
+    assert time.monotonic() - began < 0.5  # the same check, past its first second: the config in force at once
+    released.set()
 
 
 def test_an_invalid_new_file_keeps_the_last_good_config_and_logs_once(
