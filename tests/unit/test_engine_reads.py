@@ -5,7 +5,7 @@ hang and however long the caller worked in between."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -34,6 +34,13 @@ def read(pages: EnginePages) -> list[PageResult]:
     return results
 
 
+def settle(condition: Callable[[], bool], within_s: float) -> None:
+    """Poll until `condition` holds or `within_s` has passed; the caller asserts what it needs."""
+    give_up = time.monotonic() + within_s
+    while not condition() and time.monotonic() < give_up:
+        time.sleep(0.01)
+
+
 def test_one_connection_serves_every_scrape(engine: SimulatedEngine) -> None:
     pages = reader(engine)
     for _ in range(5):
@@ -49,9 +56,7 @@ def test_a_connection_the_engine_closed_is_opened_again_without_an_error(
     monkeypatch.setattr(simulated_engine, "KEEP_ALIVE_S", 0.1)  # as uvicorn closes an idle one after 5 s
     pages = reader(engine)
     read(pages)
-    give_up = time.monotonic() + 5
-    while engine.open_connections and time.monotonic() < give_up:  # the engine closes the idle kept connection
-        time.sleep(0.01)
+    settle(lambda: engine.open_connections == 0, 5)  # the engine closes the idle kept connection
     assert engine.open_connections == 0
     read(pages)
     engine.set("refused")  # a restart: every open connection closed, listening again on the same port
@@ -66,9 +71,7 @@ def test_requests_go_out_at_begin_and_the_answers_wait_for_finish(engine: Simula
     pages = reader(engine)
     read(pages)
     reads = pages.begin()
-    give_up = time.monotonic() + 2
-    while engine.requests < 2 and time.monotonic() < give_up:
-        time.sleep(0.01)
+    settle(lambda: engine.requests >= 2, 2)
     assert engine.requests == 2  # sent on the kept connection before anyone waits for the answer
     time.sleep(2 * TIMEOUT_S)  # the caller's own work: not the engine's time
     (result,) = pages.finish(reads)
