@@ -32,9 +32,8 @@ __all__ = [
     "NotATensor",
     "SeenStorages",
     "StorageUnavailable",
-    "held_bytes",
-    "inner_caches",
     "measure_cache_bytes",
+    "storage_pointer",
 ]
 
 # EncoderDecoderCache has no `.layers`; it holds two ordinary caches under these names.
@@ -167,42 +166,6 @@ def measure_cache_bytes(cache: object) -> CacheBytes:
     )
 
 
-def held_bytes(cache: object, seen: SeenStorages) -> int:
-    """The storage bytes behind `cache`'s K and V that are not in `seen` yet; adds what it counts to `seen`.
-
-    With an empty `seen`, ``measure_cache_bytes(cache).allocated_bytes``; with one `seen` shared across caches,
-    every storage counted once over all of them. Reads metadata only (no device synchronisation) and formats no
-    paths: the observation sampler's measurement. Raises as `measure_cache_bytes` does, before adding anything to
-    `seen` (a cache that cannot be read leaves no trace).
-    """
-    storages = _storages(cache)
-    return sum(nbytes for device, storage, nbytes in storages if seen.add(device, storage))
-
-
-def _storages(cache: object) -> list[tuple[object, Any, int]]:
-    """(device, storage, bytes) of every non-empty storage behind `cache`'s K and V (repeats included)."""
-    import torch
-
-    tensor_type = torch.Tensor
-    found = []
-    for _, layers in _walk(cache, ""):
-        for layer in layers:
-            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if tensor is not None:
-                    storage = _storage(_checked(tensor, tensor_type, "a layer"))
-                    nbytes: int = storage.nbytes()
-                    if nbytes:  # empty storages all report pointer 0 and hold nothing
-                        found.append((tensor.device, storage, nbytes))
-    return found
-
-
-def inner_caches(cache: object) -> tuple[object, ...]:
-    """The caches an EncoderDecoderCache holds (its two halves); empty for a cache with ``.layers``."""
-    if isinstance(getattr(cache, "layers", None), (list, tuple)):
-        return ()
-    return tuple(sub for sub in (getattr(cache, name, None) for name in _SUB_CACHES) if sub is not None)
-
-
 def _walk(cache: object, prefix: str) -> Iterator[tuple[str, Sequence[object]]]:
     """Yield ``(path prefix, layers)`` for each layer list, descending into encoder-decoder caches."""
     layers = getattr(cache, "layers", None)
@@ -264,3 +227,9 @@ def _storage(tensor: Any) -> Any:
         return tensor.untyped_storage()
     except (NotImplementedError, RuntimeError) as exc:  # torch's answer for sparse, nested and wrapper tensors
         raise StorageUnavailable(f"a cache holds a {type(tensor).__name__} without a readable storage ({exc})") from exc
+
+
+def storage_pointer(tensor: Any) -> int:
+    """The data pointer of the tensor's storage (0 for an empty one); StorageUnavailable where torch shows none."""
+    pointer: int = _storage(tensor).data_ptr()
+    return pointer

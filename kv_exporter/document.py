@@ -292,7 +292,7 @@ def _value(f: _Field, value: object, where: str, version: int | None) -> Any:
         raise DocumentError("invalid_value", f"{where}: {choice.explain(text)}")
     if shape == "str":
         return text
-    allowed = _allowed(kind)
+    allowed = _allowed(kind, version)
     if text not in allowed:
         raise DocumentError("unknown_enum", f"{where} = {text!r}; expected one of {', '.join(map(str, allowed))}")
     return kind(text) if isinstance(kind, type) and issubclass(kind, Enum) else text
@@ -355,10 +355,13 @@ def _bound(maximum: int) -> str:
 
 
 @functools.cache
-def _allowed(kind: Any) -> tuple[object, ...]:
+def _allowed(kind: Any, version: int | None) -> tuple[object, ...]:
+    """The values of a Literal, or of an enum at `version` (None: every version): a member its `__since__`
+    (value -> version) dates later is not one yet."""
     if typing.get_origin(kind) is Literal:
         return typing.get_args(kind)
-    return tuple(member.value for member in kind)
+    since: dict[str, int] = getattr(kind, "__since__", {})
+    return tuple(member.value for member in kind if version is None or since.get(member.value, 0) <= version)
 
 
 # -- the JSON Schema --------------------------------------------------------------------------------------------
@@ -424,5 +427,5 @@ def _kind_schema(f: _Field, version: int) -> dict[str, Any]:
         return {"enum": list(choice.values)}
     if kind is str:
         return _string_schema(f)
-    allowed = list(_allowed(kind))
+    allowed = list(_allowed(kind, version))
     return {"const": allowed[0]} if len(allowed) == 1 else {"enum": allowed}

@@ -52,8 +52,8 @@ from kv_exporter.protocol import ModelLocalKVScope, RowDriver, kv_row_bytes
 
 # Versions this reader accepts; writers write the newest. 2 added `pod` and `observation`; 3 the observation's
 # per-owner `peak_bytes` and its `unreadable` caches; 4 the allocator's peak, high-water bounds, retries, OOMs and
-# end-of-warm-up figures, and why there are none.
-SchemaVersion = Literal[1, 2, 3, 4]
+# end-of-warm-up figures, and why there are none; 5 the unreadable reason `not_followed`.
+SchemaVersion = Literal[1, 2, 3, 4, 5]
 SCHEMA_VERSIONS: tuple[int, ...] = typing.get_args(SchemaVersion)
 SCHEMA_VERSION = SCHEMA_VERSIONS[-1]
 SCHEMA_FOLDER = Path(__file__).with_name("schema")
@@ -264,7 +264,7 @@ class Manifest:
     baseline: Baseline = Baseline()
     written_at: Annotated[float, Range(0), Doc("Unix time, seconds")] = field(default_factory=time.time)
     writer_version: Name = __version__
-    schema_version: Annotated[SchemaVersion, VersionField()] = 4
+    schema_version: Annotated[SchemaVersion, VersionField()] = 5
     pod: Annotated[PodInfo, Since(2)] = PodInfo()
     observation: Annotated[
         Observation | None, Since(2), Doc("what the worker's live caches held at its last sample; null: not observed")

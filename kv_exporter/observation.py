@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 from kv_exporter.document import Doc, DocumentError, Prose, Range, Since
 
@@ -44,6 +44,9 @@ class UnreadableReason(str, Enum):
     LAYERS_RAISED = "layers_raised"  # reading its layers raised
     NOT_A_TENSOR = "not_a_tensor"  # a layer's keys or values hold something other than a tensor
     NO_STORAGE = "no_storage"  # a tensor without a readable storage (sparse, nested, a wrapper)
+    NOT_FOLLOWED = "not_followed"  # its class's methods cannot be followed (one is no plain function)
+
+    __since__: ClassVar[dict[str, int]] = {"not_followed": 5}  # the schema version that added each later one
 
 
 class CudaUnavailable(str, Enum):

@@ -7,7 +7,6 @@ import errno
 import json
 import multiprocessing.util
 import os
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +24,7 @@ from kv_exporter.manifest import (
 from kv_exporter.observation import Observation
 from kv_exporter.plugin import baseline, identity, observe
 from kv_exporter.plugin.collect import collect, to_declarations
+from kv_exporter.plugin.forksafe import ForkSafeLock
 from kv_exporter.plugin.oncelog import logger, warn_once
 from kv_exporter.plugin.settings import HookSettings
 
@@ -153,14 +153,9 @@ class _Published:
     """The manifests this process published, rewritten with each new observation (in the sampler's thread)."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Fresh in a forked child (compile workers, a model-registry subprocess), which may publish too.
+        self.lock = ForkSafeLock()
         self.manifests: dict[Path, Manifest] = {}
-        # A child forked while the sampler held the lock would inherit it held, by a thread it does not have, and its
-        # first publish would wait for ever (compile workers, a model-registry subprocess).
-        os.register_at_fork(after_in_child=self._fresh_lock)
-
-    def _fresh_lock(self) -> None:
-        self.lock = threading.Lock()
 
     def observed(self, observation: Observation) -> None:
         with self.lock:

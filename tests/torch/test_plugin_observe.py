@@ -24,7 +24,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
-from kv_exporter.cachebytes import SeenStorages, held_bytes, measure_cache_bytes
+from kv_exporter.cachebytes import measure_cache_bytes
 from kv_exporter.manifest import Declaration
 from kv_exporter.observation import UNATTRIBUTED_OWNER, ObservationState
 from kv_exporter.plugin import observe
@@ -260,9 +260,8 @@ def test_a_sample_holds_no_cache_while_it_pauses() -> None:
 
 
 def test_a_storage_freed_and_its_address_reused_is_counted_again() -> None:
-    """The sampler keeps what it has counted across its pauses: a storage freed during one, whose address a new
-    storage then takes, must not make the new one look counted already. The address is reused for certain here:
-    both storages are made over one buffer of this test's own."""
+    """A cache released gives its storage up; a new storage at that address, the same size, is the new cache's. The
+    address is reused for certain here: both storages are made over one buffer of this test's own."""
     buffer = bytearray(1152)
 
     def over_the_buffer() -> DynamicCache:
@@ -271,12 +270,12 @@ def test_a_storage_freed_and_its_address_reused_is_counted_again() -> None:
         cache.layers[0].keys = torch.frombuffer(buffer, dtype=torch.float32)
         return cache
 
-    seen = SeenStorages()
     first = over_the_buffer()
-    counted = held_bytes(first, seen)
+    assert by_owner(sample())[UNATTRIBUTED_OWNER].bytes == len(buffer)
     del first  # its storage with it: the buffer outlives both
     second = over_the_buffer()
-    assert held_bytes(second, seen) == measure_cache_bytes(second).allocated_bytes == counted == len(buffer)
+    found = by_owner(sample())[UNATTRIBUTED_OWNER]
+    assert (found.bytes, found.caches) == (measure_cache_bytes(second).allocated_bytes, 1) == (len(buffer), 1)
 
 
 def cache_doubled(x: torch.Tensor) -> torch.Tensor:

@@ -68,10 +68,10 @@ def test_a_sample_that_fails_says_why_and_the_next_one_is_tried(
     _, cache = model_and_cache()
     registry = observe._observer.registry
 
-    def broken() -> list[object]:
+    def broken(*args: object) -> object:
         raise RuntimeError("the registry is broken")
 
-    monkeypatch.setattr(registry, "entries", broken)
+    monkeypatch.setattr(registry, "sample", broken)
     failed, again = observe_twice()
     assert failed.state is again.state is ObservationState.FAILING
     assert "the registry is broken" in failed.reason

@@ -262,13 +262,17 @@ def test_a_child_cache_with_the_declared_layers_is_the_declarer_s() -> None:
 
 
 class NoLayers(Cache):
-    """A Cache subclass of its own that never sets .layers."""
+    """A Cache subclass of its own keeping K and V its own way (as caches before transformers 4.56 did): no .layers."""
 
     def __init__(self) -> None:
-        pass
+        self.key_cache: list[torch.Tensor] = []
+        self.value_cache: list[torch.Tensor] = []
 
 
-class RaisingLayers(DynamicCache):
+class PropertyLayers(DynamicCache):
+    """Layers served by a property: observation reads a cache's own state, never code of its class (which could
+    wait on a lock the model thread holds), so these are no layers it can see."""
+
     @property  # type: ignore[misc]
     def layers(self) -> list[Any]:
         raise RuntimeError("layers are not ready")
@@ -276,6 +280,20 @@ class RaisingLayers(DynamicCache):
     @layers.setter
     def layers(self, value: list[Any]) -> None:
         pass
+
+
+class SlottedLayer:
+    """A layer without an instance dictionary: its K and V cannot be read."""
+
+    __slots__ = ("keys", "values")
+
+
+def slotted_layer_cache() -> DynamicCache:
+    cache = DynamicCache()
+    layer = SlottedLayer()
+    layer.keys = layer.values = torch.zeros(1, 1, 1, 2)
+    cache.layers.append(layer)
+    return cache
 
 
 def no_tensor_cache() -> DynamicCache:
@@ -290,7 +308,8 @@ def no_tensor_cache() -> DynamicCache:
     ("make", "reason"),
     [
         (NoLayers, UnreadableReason.NO_LAYERS),
-        (RaisingLayers, UnreadableReason.LAYERS_RAISED),
+        (PropertyLayers, UnreadableReason.NO_LAYERS),
+        (slotted_layer_cache, UnreadableReason.LAYERS_RAISED),
         (no_tensor_cache, UnreadableReason.NOT_A_TENSOR),
     ],
 )

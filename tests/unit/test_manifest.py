@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from kv_exporter.manifest import (
+    SCHEMA_VERSION,
     SCHEMA_VERSIONS,
     Declaration,
     EngineIdentity,
@@ -162,7 +163,11 @@ MALFORMED: dict[str, tuple[bytes, str, str]] = {
         "invalid_json",
         "duplicate",
     ),
-    "future schema version": (mutate(set_path("schema_version", 5)), "unsupported_schema_version", "got 5"),
+    "future schema version": (
+        mutate(set_path("schema_version", SCHEMA_VERSION + 1)),
+        "unsupported_schema_version",
+        f"got {SCHEMA_VERSION + 1}",
+    ),
     "schema version as string": (mutate(set_path("schema_version", "1")), "wrong_type", "schema_version"),
     "missing engine": (mutate(delete_path("engine")), "missing_field", "engine"),
     "missing declaration field": (mutate(delete_path("declarations.0.rows")), "missing_field", "rows"),
@@ -361,14 +366,14 @@ def observed_manifest() -> Manifest:
     return replace(reference_manifest(QWEN3_TTS), pod=pod, observation=OBSERVATION)
 
 
-def test_a_version_4_manifest_with_pod_peaks_unreadable_caches_and_allocator_figures_round_trips(
+def test_a_newest_manifest_with_pod_peaks_unreadable_caches_and_allocator_figures_round_trips(
     tmp_path: Path,
 ) -> None:
     manifest = observed_manifest()
     document = json.loads(write_manifest(tmp_path, manifest).read_text())
     assert document["observation"]["cuda"]["warm"]["observed_bytes"] == 512
     assert document["observation"]["cuda"]["high_water_floor_bytes"] == 3 << 30
-    assert document["schema_version"] == 4 and document["observation"]["owners"][1] == {
+    assert document["schema_version"] == SCHEMA_VERSION and document["observation"]["owners"][1] == {
         "owner": "vocoder",
         "bytes": 512,
         "caches": 1,
@@ -500,3 +505,13 @@ def test_a_bad_observation_costs_the_observation_not_the_declarations(case: str)
     if reason not in ("duplicate_owner", "inconsistent"):  # rules across items and fields, which JSON Schema cannot say
         with pytest.raises(jsonschema.ValidationError):  # the schema refuses it too, for other readers
             jsonschema.validate(document, SCHEMA)
+
+
+def test_an_unreadable_reason_is_read_only_from_the_version_that_added_it() -> None:
+    document = observed_manifest().to_dict()
+    document["observation"]["unreadable"][0]["reason"] = "not_followed"
+    newest = parse_manifest(json.dumps(document).encode(), "v5.json").observation
+    assert newest is not None and newest.unreadable[0].reason is UnreadableReason.NOT_FOLLOWED
+    document["schema_version"] = 4  # a version 4 worker had no such reason to give
+    assert parse_manifest(json.dumps(document).encode(), "v4.json").observation is None
+    assert "not_followed" not in json.dumps(json.loads(schema_path(4).read_text()))

@@ -12,8 +12,10 @@ torch and transformers are never imported here: the patch runs when transformers
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
@@ -22,9 +24,9 @@ from kv_exporter.dtypes import dtype_name
 from kv_exporter.observation import CudaUnavailable, Observation, ObservationState, OwnerObservation, UnreadableCaches
 from kv_exporter.plugin.observe.cuda import CudaAllocator
 from kv_exporter.plugin.observe.holders import Holders
-from kv_exporter.plugin.observe.owners import Geometry, ModelMap
-from kv_exporter.plugin.observe.registry import Registry
-from kv_exporter.plugin.observe.sampler import Pacer, Sampler, Totals, measure
+from kv_exporter.plugin.observe.owners import Geometry
+from kv_exporter.plugin.observe.registry import Figures, Registry
+from kv_exporter.plugin.observe.sampler import PAUSE_S, SLICE_S, Pacer, Sampler, Totals, measure_holders
 from kv_exporter.plugin.oncelog import warn_once
 from kv_exporter.plugin.settings import HookSettings
 
@@ -72,29 +74,24 @@ class _Observer:
         reason = self.unavailable_reason()
         if reason:
             return self._result(ObservationState.UNAVAILABLE, reason, taken_at, started, warm_up_ended)
+        pause = pause or (lambda: time.sleep(PAUSE_S))
         try:
-            follows = self.registry.follows_peaks
-            if follows:
-                peaks = self.registry.take_peaks()  # first: reading a cache settles which owner it is
-            else:
-                self.registry.settle_candidates()
-                peaks = {}
+            cached = self.registry.sample(pause, SLICE_S)
             stored_peaks = self.holders.take_peaks()
-            totals = measure(self.registry.entries(), Pacer(pause), self.holders)
-            if follows:
-                add_other_forms(peaks, totals, stored_peaks)
+            other = measure_holders(self.holders, self.registry.holds, Pacer(pause))
         except Exception as exc:
             reason = f"the sample failed: {exc!r}"
             warn_once("observe:failing", "kv-exporter: %s; trying again at the next interval", reason)
             return self._result(ObservationState.FAILING, reason, taken_at, started, warm_up_ended)
-        for reason_key, count in totals.unreadable.items():
+        figures = owners(cached, other, stored_peaks, self.registry)
+        for left_out in figures[1]:
             warn_once(
-                f"observe:unreadable:{reason_key[1].value}",
+                f"observe:unreadable:{left_out.reason.value}",
                 "kv-exporter: %d cache(s) of %r cannot be read (%s); left out of its figures",
-                count,
-                *reason_key,
+                left_out.caches,
+                left_out.owner,
+                left_out.reason.value,
             )
-        figures = owners(totals, peaks, self.registry.model)
         return self._result(ObservationState.OK, "", taken_at, started, warm_up_ended, figures)
 
     def unavailable_reason(self) -> str:
@@ -126,35 +123,42 @@ class _Observer:
 
 
 def owners(
-    totals: Totals, peaks: dict[str, int], model: ModelMap | None
+    cached: Figures, other: Totals, stored_peaks: dict[str, int], registry: Registry
 ) -> tuple[tuple[OwnerObservation, ...], tuple[UnreadableCaches, ...]]:
-    """Per owner: what it held at the sample and the most since the previous one (never below the sample's figure:
-    the accounts and the walk count the same storages; the walk also sees what no assignment announced).
+    """Per owner: what it held at the sample in every form, and the most since the previous one (never below the
+    sample's figure). Where the peak is not followed, the figure at the sample is the peak.
 
-    A declarer holding nothing shows 0, and so does an owner whose caches came and went since the last sample."""
-    held = dict(totals.held)
-    for owner in (*(model.declaring if model is not None else ()), *peaks):
-        held.setdefault(owner, (0, 0))
-    figures = tuple(
-        OwnerObservation(owner, nbytes, caches, max(nbytes, peaks.get(owner, 0)))
-        for owner, (nbytes, caches) in sorted(held.items())
+    A declarer holding nothing shows 0, and so does an owner whose caches came and went since the last sample.
+    An owner holding several forms gets the sum of their peaks: an upper bound of its joint peak (its state does
+    not move between samples)."""
+    caches, unreadable = cached
+    model = registry.model
+    names = {*caches, *other.held, *stored_peaks, *(model.declaring if model is not None else ())}
+    figures = []
+    for owner in sorted(names):
+        cache_bytes, cache_peak, count = caches.get(owner, (0, 0, 0))
+        other_bytes, objects = other.held.get(owner, (0, 0))
+        nbytes = cache_bytes + other_bytes
+        stored_peak = max(other.stored[owner], stored_peaks.get(owner, 0))
+        peak = max(nbytes, cache_peak + other.in_state[owner] + stored_peak) if registry.follows_peaks else nbytes
+        figures.append(OwnerObservation(owner, nbytes, count + objects, peak))
+    left_out = Counter(unreadable) + other.unreadable
+    return tuple(figures), tuple(
+        UnreadableCaches(owner, reason, count) for (owner, reason), count in sorted(left_out.items())
     )
-    unreadable = tuple(
-        UnreadableCaches(owner, reason, count) for (owner, reason), count in sorted(totals.unreadable.items())
-    )
-    return figures, unreadable
-
-
-def add_other_forms(peaks: dict[str, int], totals: Totals, stored_peaks: dict[str, int]) -> None:
-    """Add to each owner's cache peak what it holds in other forms: its state at the sample (allocated once, at
-    load: it does not move between samples) and the most its known classes' stored tensors held since the previous
-    sample. An owner holding several forms gets the sum of their peaks: an upper bound of its joint peak."""
-    for owner in {*totals.in_state, *totals.stored, *stored_peaks}:
-        stored = max(totals.stored.get(owner, 0), stored_peaks.get(owner, 0))
-        peaks[owner] = peaks.get(owner, 0) + totals.in_state.get(owner, 0) + stored
 
 
 _observer = _Observer()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's other threads: a catch-up one of them had in progress never ends."""
+    tracker = _observer.registry.tracker
+    if tracker is not None:
+        tracker.after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def patch_cache_module(module: ModuleType) -> None:

@@ -1,63 +1,78 @@
-/* The per-step half of cache observation, in C: every live transformers cache (an `Entry`, a weak reference with the
- * cache's owner and what it held when last read) and, where the high-water mark is followed, each owner's storage
- * now and the most since the last sample.
+/* The ledger of model-local KV held in transformers caches: every live cache (an `Entry`: a weak reference with the
+ * cache's owner and the storages it held when last read) and each owner's storage now and the most since the last
+ * sample. The per-step half of observation, in C.
  *
- * Why C: the engine's step runs these hooks ~40 times (a cache made, updated, released); written in Python the
- * same accounting cost the decode benchmark 2-3% (docs/benchmarks.md, section 9), here a small fraction of that.
- * What stays in Python (registry.py) is everything off the step path: which methods are wrapped, the model's map
- * of code to owners, a cache made before the model is known, a declaring ancestor's geometry check. The tracker
- * calls those through its `delegate` (the registry), only where the fast path cannot decide.
+ * Why C: the engine's step runs these hooks ~40 times (a cache made, updated, released); written in Python the same
+ * accounting cost the decode benchmark 2-3% (docs/benchmarks.md), here a small fraction of that. What stays in Python
+ * (registry.py) is everything off the step path: which methods are wrapped, the model's map of code to owners, a
+ * cache made before the model is known, a declaring ancestor's geometry check. The tracker calls those through its
+ * `delegate` (the registry), only where the fast path cannot decide.
  *
  * The accounting (peaks.py says why it is exact): an update only marks its cache; the marked caches are read
- * (`catch_up`) just before anything can fall (a release, a reshaping method) and at each sample; a catch-up first
+ * (`catch_up`) just before anything can fall (a release, a reshaping method) and when a sample asks; a catch-up first
  * gives up what every marked cache dropped and only then takes what they hold now, so an address freed by one and
- * reused by another is never mistaken for the old storage. Each storage is kept once, by data pointer, with the
- * number of caches holding it, charged to the owner of the first.
+ * reused by another is never mistaken for the old storage. Each storage is kept once, by data pointer and size, with
+ * the number of caches holding it, charged to the owner of the first. A sample reads the owners' totals: its cost
+ * does not grow with the caches that did not change.
  *
- * Threads: everything runs under the GIL. Where the tracker calls Python (torch's storage getters, the delegate)
- * another thread may run; the accounts are then held by a lock (the sampler's thread waits without the GIL), and a
- * release arriving in the same thread meanwhile (a cache freed by a collection) is deferred until the work in
- * progress ends. Marks and creations touch no state a catch-up holds across a Python call. Never raises into the
- * model: the weak-reference callback reports failures to the delegate. */
+ * What the engine is promised (docs/observation.md):
+ * - Nothing keeps a cache or anything it holds alive: an entry holds a weak reference, never the cache's state. A
+ *   cache's last contents are read in its finalizer (`release`, from the `__del__` the registry gives the cache
+ *   classes), where it is still whole; the weak reference's callback only forgets a cache whose finalizer never came.
+ * - No lock, so nothing for a model thread or a forked child to wait on. Reading a cache goes through instance
+ *   dictionaries and torch's own getters, never a property or anything else of the model's code; the ledger is
+ *   changed only in commits that call no Python, allocate no Python object and never release the GIL, so each is
+ *   atomic for every other thread. A reading is committed only if its cache was not marked again meanwhile (its
+ *   `version`), else it stays marked for the next catch-up. A fork happens between two commits, so a child inherits
+ *   a consistent ledger.
+ * - Never raises into the model: failures are counted (`failures()`), and the sampler reports them. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <frameobject.h>
 #include <structmember.h>
-#include <pythread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
-/* -- interned names ---------------------------------------------------------------------------------------------- */
+/* Why a cache is left out of its owner's figures (observation.UnreadableReason, in this order from 1). */
+enum { READABLE = 0, NO_LAYERS, LAYERS_RAISED, NOT_A_TENSOR, NO_STORAGE, NOT_FOLLOWED, REASONS };
 
-static PyObject *s_layers, *s_keys, *s_values, *s_untyped_storage, *s_nbytes, *s_data_ptr, *s_dict;
-static PyObject *s_owner_of_shared, *s_modules_on_stack, *s_charge, *s_class_seen, *s_failed, *s_settle;
+/* What reading a cache found. */
+enum { READ_OK, READ_UNREADABLE, READ_UNINITIALISED, READ_GONE, READ_FAILED };
 
-/* -- a storage a cache holds: data pointer and bytes; an entry keeps its own sorted by pointer --------------------- */
+static PyObject *s_untyped_storage, *s_nbytes, *s_data_ptr;
+
+/* The attributes a reading looks at, by index. */
+enum { A_LAYERS, A_KEYS, A_VALUES, A_SELF_ATTENTION, A_CROSS_ATTENTION, ATTRIBUTES };
+static PyObject *s_attribute[ATTRIBUTES];
+static PyObject *s_owner_of_shared, *s_modules_on_stack, *s_decide, *s_class_seen, *s_settle;
+
+/* -- storages: data pointer and bytes; an entry keeps its own sorted by pointer ---------------------------------- */
 
 typedef struct {
     uintptr_t ptr;
     int64_t nbytes;
 } Storage;
 
-/* A growable array (`items`, `cap` slots, `len` used) with room for one more: the same or a moved block, `cap`
- * updated; NULL with MemoryError set (the old block is kept). */
-static void *room_for_one(void *items, Py_ssize_t len, Py_ssize_t *cap, size_t item_size) {
-    if (len < *cap)
-        return items;
-    Py_ssize_t grown = *cap ? *cap * 2 : 16;
-    void *moved = PyMem_Realloc(items, (size_t)grown * item_size);
-    if (moved == NULL)
-        return PyErr_NoMemory();
-    *cap = grown;
-    return moved;
-}
-
 typedef struct {
     Storage *items;
     Py_ssize_t len, cap;
 } Storages;
+
+/* A growable array (`items`, `cap` slots, `len` used) with room for one more: the same or a moved block, `cap`
+ * updated; NULL when out of memory (the old block is kept; no exception is set). */
+static void *room_for_one(void *items, Py_ssize_t len, Py_ssize_t *cap, size_t item_size) {
+    if (len < *cap)
+        return items;
+    Py_ssize_t grown = *cap ? *cap * 2 : 4;
+    void *moved = PyMem_Realloc(items, (size_t)grown * item_size);
+    if (moved == NULL)
+        return NULL;
+    *cap = grown;
+    return moved;
+}
 
 static int storages_push(Storages *s, uintptr_t ptr, int64_t nbytes) {
     Storage *items = room_for_one(s->items, s->len, &s->cap, sizeof(Storage));
@@ -92,16 +107,16 @@ static void storages_sort_unique(Storages *s) {
     s->len = kept;
 }
 
-static int storages_contain(const Storages *s, uintptr_t ptr) {
+static int storages_contain(const Storages *s, Storage item) {
     Py_ssize_t lo = 0, hi = s->len;
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi) / 2;
-        if (s->items[mid].ptr < ptr)
+        if (s->items[mid].ptr < item.ptr)
             lo = mid + 1;
         else
             hi = mid;
     }
-    return lo < s->len && s->items[lo].ptr == ptr;
+    return lo < s->len && s->items[lo].ptr == item.ptr && s->items[lo].nbytes == item.nbytes;
 }
 
 /* -- open-addressing tables keyed by an address (never 0), linear probing, backward-shift deletion ---------------- */
@@ -115,16 +130,22 @@ static size_t slot_of(uintptr_t key, size_t mask) {
  * held storages map a data pointer to its bytes, the caches holding it and the owner's tally it is charged to. */
 typedef struct {
     uintptr_t key;
-    PyObject *object;
-    int64_t nbytes;
-    Py_ssize_t holders;
-    Py_ssize_t tally;
+    union {
+        PyObject *object;
+        int64_t nbytes;
+    };
+    int32_t holders;
+    int32_t tally;
 } Slot;
 
 typedef struct {
     Slot *slots;
     size_t mask, used;
 } Table;
+
+#define TABLE_MIN 64
+
+static size_t table_size(const Table *t) { return t->slots ? t->mask + 1 : 0; }
 
 static Slot *table_find(const Table *t, uintptr_t key) {
     if (t->slots == NULL)
@@ -137,27 +158,45 @@ static Slot *table_find(const Table *t, uintptr_t key) {
     }
 }
 
-/* The slot of `key`, made (zeroed) if absent; NULL with MemoryError set. Moves every slot when the table grows. */
-static Slot *table_slot(Table *t, uintptr_t key) {
-    if ((t->used + 1) * 2 > (t->slots ? t->mask + 1 : 0)) {
-        size_t size = t->slots ? (t->mask + 1) * 2 : 64;
-        Slot *slots = PyMem_Calloc(size, sizeof(Slot));
-        if (slots == NULL) {
-            PyErr_NoMemory();
-            return NULL;
-        }
-        for (size_t j = 0; t->slots != NULL && j <= t->mask; j++) {
-            if (t->slots[j].key == 0)
-                continue;
-            size_t i = slot_of(t->slots[j].key, size - 1);
-            while (slots[i].key != 0)
-                i = (i + 1) & (size - 1);
-            slots[i] = t->slots[j];
-        }
-        PyMem_Free(t->slots);
-        t->slots = slots;
-        t->mask = size - 1;
+/* Moves every slot into a new array of `size` slots; -1 when out of memory (the table is unchanged). */
+static int table_resize(Table *t, size_t size) {
+    Slot *slots = PyMem_Calloc(size, sizeof(Slot));
+    if (slots == NULL)
+        return -1;
+    for (size_t j = 0; j < table_size(t); j++) {
+        if (t->slots[j].key == 0)
+            continue;
+        size_t i = slot_of(t->slots[j].key, size - 1);
+        while (slots[i].key != 0)
+            i = (i + 1) & (size - 1);
+        slots[i] = t->slots[j];
     }
+    PyMem_Free(t->slots);
+    t->slots = slots;
+    t->mask = size - 1;
+    return 0;
+}
+
+/* Room for `count` keys (at most half full); -1 when out of memory. */
+static int table_reserve(Table *t, size_t count) {
+    size_t size = table_size(t) ? table_size(t) : TABLE_MIN;
+    while (count * 2 > size)
+        size *= 2;
+    return size == table_size(t) ? 0 : table_resize(t, size);
+}
+
+/* Gives memory back once the table is at most 1/8 full (a burst of caches freed): to a quarter full. */
+static void table_shrink(Table *t) {
+    size_t size = table_size(t);
+    if (size <= TABLE_MIN || t->used * 8 > size)
+        return;
+    while (size > TABLE_MIN && t->used * 4 < size / 2)
+        size /= 2;
+    (void)table_resize(t, size); /* out of memory: it stays as large as it was */
+}
+
+/* The slot of `key`, made (zeroed) if absent; the table must have room (table_reserve). */
+static Slot *table_slot(Table *t, uintptr_t key) {
     size_t i = slot_of(key, t->mask);
     while (t->slots[i].key != 0 && t->slots[i].key != key)
         i = (i + 1) & t->mask;
@@ -183,13 +222,15 @@ static void table_remove(Table *t, Slot *slot) {
     t->used--;
 }
 
-static void table_clear(Table *t) {
+/* Empties the table; `objects`: its slots hold references, released here. */
+static void table_clear(Table *t, int objects) {
     Slot *slots = t->slots;
-    size_t size = slots ? t->mask + 1 : 0;
+    size_t size = table_size(t);
     t->slots = NULL;
     t->mask = t->used = 0;
-    for (size_t j = 0; j < size; j++)
-        Py_XDECREF(slots[j].object);
+    for (size_t j = 0; objects && j < size; j++)
+        if (slots[j].key != 0)
+            Py_DECREF(slots[j].object);
     PyMem_Free(slots);
 }
 
@@ -198,98 +239,67 @@ static PyObject *objmap_get(const Table *t, uintptr_t key) {
     return slot == NULL ? NULL : slot->object;
 }
 
-/* Stores a new reference to `value`; `replaced` gets the reference it replaced (the caller's to release), or NULL. */
-static int objmap_put(Table *t, uintptr_t key, PyObject *value, PyObject **replaced) {
-    Slot *slot = table_slot(t, key);
-    if (slot == NULL) {
-        *replaced = NULL;
-        return -1;
-    }
-    *replaced = slot->object;
-    slot->object = Py_NewRef(value);
-    return 0;
-}
+/* -- Entry: one cache, weakly ------------------------------------------------------------------------------------- */
 
-/* Removes `key`; returns its reference (the caller's to release), or NULL. */
-static PyObject *objmap_pop(Table *t, uintptr_t key) {
-    Slot *slot = table_find(t, key);
-    if (slot == NULL)
-        return NULL;
-    PyObject *value = slot->object;
-    table_remove(t, slot);
-    return value;
-}
-
-/* -- Entry: a weak reference to one cache ------------------------------------------------------------------------ */
+struct Tracker;
 
 typedef struct {
-    PyWeakReference ref;
+    PyObject_HEAD
+    struct Tracker *tracker;
+    PyObject *ref;          /* weak reference to the cache, its callback this entry; NULL once forgotten */
     Py_ssize_t cache_id;
-    unsigned long long seq; /* creation order: the sampler charges a shared storage to the first cache */
-    PyObject *owner;        /* str, or NULL until the model is known */
+    unsigned long long seq; /* creation order */
+    PyObject *owner;        /* str, or None until the model is known */
     PyObject *candidate;    /* a declaring ancestor whose declared memory this may be, until its first storage */
     PyObject *pending;      /* the modules on the creating stack, for a cache made before the model was known */
-    PyObject *state;        /* the cache's instance dictionary: still readable when the cache is released */
-    Storages held;          /* what it held when last read, sorted by pointer */
+    Storages held;          /* what it held when last committed, sorted by pointer */
     Py_ssize_t tally;       /* its owner's tally, from its first storage on; -1 before */
+    uint64_t version;       /* bumped by every mark: a reading of an older version is not committed */
     char dirty;             /* in the tracker's marked list */
     char live;              /* in the tracker's live table */
+    char half;              /* one of an encoder-decoder cache's two halves: counted with that cache */
+    char reason;            /* why it cannot be read (READABLE when it can) */
 } Entry;
-
-static PyTypeObject EntryType;
-
-static int entry_traverse(Entry *self, visitproc visit, void *arg) {
-    Py_VISIT(self->owner);
-    Py_VISIT(self->candidate);
-    Py_VISIT(self->pending);
-    Py_VISIT(self->state);
-    return _PyWeakref_RefType.tp_traverse((PyObject *)self, visit, arg);
-}
-
-static int entry_clear(Entry *self) {
-    Py_CLEAR(self->owner);
-    Py_CLEAR(self->candidate);
-    Py_CLEAR(self->pending);
-    Py_CLEAR(self->state);
-    return _PyWeakref_RefType.tp_clear((PyObject *)self);
-}
-
-static void entry_dealloc(Entry *self) {
-    PyObject_GC_UnTrack(self);
-    Py_CLEAR(self->owner);
-    Py_CLEAR(self->candidate);
-    Py_CLEAR(self->pending);
-    Py_CLEAR(self->state);
-    storages_free(&self->held);
-    _PyWeakref_RefType.tp_dealloc((PyObject *)self); /* unlinks it from its referent and frees it */
-}
-
-static PyMemberDef entry_members[] = {
-    {"cache_id", T_PYSSIZET, offsetof(Entry, cache_id), READONLY, "id() of the cache"},
-    {"owner", T_OBJECT, offsetof(Entry, owner), 0, "the owner's module path, None until known"},
-    {"candidate", T_OBJECT, offsetof(Entry, candidate), 0, "a declaring ancestor it may belong to, or None"},
-    {"pending", T_OBJECT, offsetof(Entry, pending), 0, "modules on the creating stack before the model was known"},
-    {"state", T_OBJECT, offsetof(Entry, state), 0, "the cache's instance dictionary, None once released"},
-    {NULL},
-};
-
-static PyTypeObject EntryType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kv_exporter.plugin.observe._tracker.Entry",
-    .tp_basicsize = sizeof(Entry),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "A weak reference to one tracked cache, with its owner.",
-    .tp_traverse = (traverseproc)entry_traverse,
-    .tp_clear = (inquiry)entry_clear,
-    .tp_dealloc = (destructor)entry_dealloc,
-    .tp_members = entry_members,
-};
-
-/* -- Tracker ----------------------------------------------------------------------------------------------------- */
 
 typedef struct {
     Entry **items;
     Py_ssize_t len, cap;
 } EntryList; /* strong references */
+
+typedef struct {
+    int64_t current, peak;
+} Tally;
+
+typedef struct Tracker {
+    PyObject_HEAD
+    PyObject *delegate;      /* the registry: owner_of_shared, modules_on_stack, decide, class_seen, settle */
+    PyObject *unattributed;  /* the owner of a cache made outside the model's modules */
+    PyObject *known_classes; /* set: cache and layer classes the delegate has seen (their methods are wrapped) */
+    PyObject *unfollowed;    /* set: cache classes whose changes cannot be followed (their caches: NOT_FOLLOWED) */
+    PyObject *tensor_type;   /* torch.Tensor */
+    Table live;              /* id(cache) -> Entry */
+    Table sites;             /* code object address -> Attribution (a tuple) or a shared site (asked of the delegate) */
+    Table held;              /* data pointer -> nbytes, holders, tally */
+    Table types;             /* a cache's or layer's type -> which attributes it keeps plain (plain_attribute) */
+    int model_known;         /* sites describe the model: owners are named at creation */
+    char follows_peaks;      /* updates and falls are followed (a T_BOOL member) */
+    unsigned long long next_seq;
+    EntryList marked;        /* caches that may hold other storages than when last read */
+    EntryList gone;          /* caches whose weak reference died since the last sample, finalizer pending */
+    EntryList gone_before;   /* those of the sample before: a finalizer still missing will not come */
+    Tally *totals;           /* per owner, by tally index */
+    Py_ssize_t tallies, tallies_cap;
+    PyObject *tally_names;   /* list: tally -> owner */
+    PyObject *tally_index;   /* dict: owner -> tally */
+    uint64_t requested, served; /* catch-ups a sample asked of whichever thread marks next, and those done */
+    uint64_t marks;          /* cache updates seen: a sample waits for the model's thread only while they come */
+    int reading;             /* catch-ups in progress in this process (nested ones included) */
+    size_t audit_cursor;     /* where the next audit resumes in the live table */
+    unsigned long long failures; /* out of memory, or a reading that raised what no rule expects */
+    char failure[160];       /* the last one, for the sampler's warning */
+} Tracker;
+
+static PyTypeObject EntryType, TrackerType;
 
 static int entrylist_push(EntryList *l, Entry *e) {
     Entry **items = room_for_one(l->items, l->len, &l->cap, sizeof(Entry *));
@@ -301,116 +311,158 @@ static int entrylist_push(EntryList *l, Entry *e) {
     return 0;
 }
 
-static EntryList entrylist_take(EntryList *l) {
+static void entrylist_release(EntryList *l) {
     EntryList taken = *l;
     l->items = NULL;
     l->len = l->cap = 0;
-    return taken;
-}
-
-static void entrylist_release(EntryList *l) {
-    EntryList taken = entrylist_take(l);
     for (Py_ssize_t i = 0; i < taken.len; i++)
         Py_DECREF(taken.items[i]);
     PyMem_Free(taken.items);
 }
 
-/* One owner's storage: what its caches hold now, and the most since the last sample. */
-typedef struct {
-    int64_t current, peak;
-} Tally;
-
-typedef struct {
-    PyObject_HEAD
-    PyObject *delegate;       /* the registry: owner_of_shared, modules_on_stack, charge, class_seen, failed, settle */
-    PyObject *unattributed;   /* the owner of a cache made outside the model's modules */
-    PyObject *on_release;     /* this tracker's release method: every entry's weak-reference callback */
-    PyObject *known_classes;  /* set: cache and layer classes the delegate has seen (their methods are wrapped) */
-    PyObject *copying;        /* tuple: code objects that make an instance whose contents arrive after `__new__` */
-    Table live;              /* id(cache) -> Entry */
-    Table sites;             /* code object address -> Attribution (a tuple) or a shared site (asked of the delegate) */
-    int model_known;          /* sites describe the model: owners are named at creation */
-    char follows_peaks;       /* updates and falls are counted (a T_BOOL member) */
-    unsigned long long next_seq;
-    EntryList marked;         /* caches that may hold more than when last read */
-    EntryList deferred;       /* releases that arrived while this thread was in the accounts */
-    Table held;
-    Tally *totals;            /* per owner, by tally index */
-    Py_ssize_t tallies, tallies_cap;
-    PyObject *tally_names;    /* list: tally -> owner */
-    PyObject *tally_index;    /* dict: owner -> tally */
-    PyThread_type_lock lock;
-    unsigned long holder;     /* the thread in the accounts, 0 when none */
-} Tracker;
-
-static void report(Tracker *t, const char *where) {
-    /* Hands the pending exception to the delegate's `failed(where, exc)`; leaves no exception set. */
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    PyErr_NormalizeException(&type, &value, &traceback);
-    PyObject *name = PyUnicode_FromString(where);
-    PyObject *result = NULL;
-    if (name != NULL && value != NULL)
-        result = PyObject_CallMethodObjArgs(t->delegate, s_failed, name, value, NULL);
-    if (result == NULL)
-        PyErr_WriteUnraisable(t->delegate); /* the reporter itself failed: say so once on stderr, never raise */
-    Py_XDECREF(result);
-    Py_XDECREF(name);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(traceback);
-}
-
-/* Enters the accounts; 0 when this thread is already in them (the caller defers or skips its work). */
-static int enter(Tracker *t) {
-    unsigned long me = PyThread_get_thread_ident();
-    if (t->holder == me)
-        return 0;
-    if (!PyThread_acquire_lock(t->lock, NOWAIT_LOCK)) {
-        Py_BEGIN_ALLOW_THREADS
-        PyThread_acquire_lock(t->lock, WAIT_LOCK);
-        Py_END_ALLOW_THREADS
+/* Counts a failure and keeps its description; clears any exception set. */
+static void fail(Tracker *t, const char *where) {
+    t->failures++;
+    if (PyErr_Occurred()) {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        PyObject *text = value ? PyObject_Repr(value) : NULL;
+        const char *utf8 = text ? PyUnicode_AsUTF8(text) : NULL;
+        snprintf(t->failure, sizeof(t->failure), "%s: %s", where, utf8 ? utf8 : "an error");
+        PyErr_Clear();
+        Py_XDECREF(text);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+    } else {
+        snprintf(t->failure, sizeof(t->failure), "%s: out of memory", where);
     }
-    t->holder = me;
-    return 1;
 }
 
-static void leave(Tracker *t) {
-    t->holder = 0;
-    PyThread_release_lock(t->lock);
+/* The cache, as a new reference; NULL when it is gone (no exception set). */
+static PyObject *entry_cache(Entry *e) {
+    if (e->ref == NULL)
+        return NULL;
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *cache = NULL;
+    if (PyWeakref_GetRef(e->ref, &cache) < 0)
+        PyErr_Clear();
+    return cache;
+#else
+    PyObject *cache = PyWeakref_GetObject(e->ref);
+    if (cache == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return cache == Py_None ? NULL : Py_NewRef(cache);
+#endif
 }
 
-static int mark(Tracker *t, Entry *e) {
-    if (e->dirty || !e->live)
-        return 0;
-    if (entrylist_push(&t->marked, e) < 0)
-        return -1;
+static void mark_entry(Tracker *t, Entry *e) {
+    e->version++;
+    if (e->dirty || !e->live || e->reason == NOT_FOLLOWED)
+        return;
+    if (entrylist_push(&t->marked, e) < 0) {
+        fail(t, "mark");
+        return;
+    }
     e->dirty = 1;
-    return 0;
 }
 
-/* -- reading what a cache holds ---------------------------------------------------------------------------------- */
-
-/* Where updates are followed, a cache or layer class first met (defined after the install) is handed to the
- * delegate, which wraps its methods; -1 on error (left set). */
-static int see_class(Tracker *t, PyTypeObject *type) {
-    if (!t->follows_peaks)
-        return 0;
-    int known = PySet_Contains(t->known_classes, (PyObject *)type);
-    if (known != 0)
-        return known < 0 ? -1 : 0;
-    PyObject *seen = PyObject_CallMethodOneArg(t->delegate, s_class_seen, (PyObject *)type);
-    if (seen == NULL)
-        return -1;
-    Py_DECREF(seen);
-    return 0;
+/* Drops `e` from the live table and breaks its cycle with its weak reference. Calls no Python (a weak reference's
+ * deallocation runs none) and allocates nothing. */
+static void forget(Tracker *t, Entry *e) {
+    e->live = 0;
+    Slot *slot = table_find(&t->live, (uintptr_t)e->cache_id);
+    if (slot != NULL && slot->object == (PyObject *)e) {
+        table_remove(&t->live, slot);
+        Py_DECREF(e); /* the table's reference: the caller holds another */
+    }
+    Py_CLEAR(e->ref);
 }
 
-static int no_storage_error(void) {
-    /* what a K/V slot that holds no plain tensor raises: None, a sparse or nested tensor, a wrapper subclass */
-    return PyErr_ExceptionMatches(PyExc_AttributeError) || PyErr_ExceptionMatches(PyExc_TypeError) ||
-           PyErr_ExceptionMatches(PyExc_RuntimeError);
+/* -- the ledger: commits call no Python ------------------------------------------------------------------------------ */
+
+static void give_up(Tracker *t, Storage s) {
+    Slot *slot = table_find(&t->held, s.ptr);
+    if (slot == NULL || slot->nbytes != s.nbytes) /* not this storage: it was replaced at a reused address */
+        return;
+    if (--slot->holders <= 0) {
+        t->totals[slot->tally].current -= slot->nbytes;
+        table_remove(&t->held, slot);
+    }
 }
+
+/* `e` holds `s` from now on; the table has room (table_reserve). */
+static void take(Tracker *t, Entry *e, Storage s) {
+    Slot *slot = table_find(&t->held, s.ptr);
+    if (slot != NULL && slot->nbytes == s.nbytes) {
+        slot->holders++;
+        return;
+    }
+    if (slot != NULL) /* another storage at a reused address, whose holders changed unannounced: it is gone */
+        t->totals[slot->tally].current -= slot->nbytes;
+    else
+        slot = table_slot(&t->held, s.ptr);
+    slot->nbytes = s.nbytes;
+    slot->holders = 1;
+    slot->tally = e->tally;
+    t->totals[e->tally].current += s.nbytes;
+}
+
+static void give_up_all(Tracker *t, Entry *e) {
+    for (Py_ssize_t k = 0; k < e->held.len; k++)
+        give_up(t, e->held.items[k]);
+    e->held.len = 0;
+}
+
+static void raise_peaks(Tracker *t) {
+    for (Py_ssize_t k = 0; k < t->tallies; k++)
+        if (t->totals[k].current > t->totals[k].peak)
+            t->totals[k].peak = t->totals[k].current;
+}
+
+/* `e`'s cache is gone: what it held last goes with it. */
+static void commit_release(Tracker *t, Entry *e) {
+    give_up_all(t, e);
+    storages_free(&e->held);
+    forget(t, e);
+}
+
+/* Keeps in the marked list only the entries still marked and live; drops the others' references (an entry's
+ * deallocation calls no Python). */
+static void compact_marked(Tracker *t) {
+    Py_ssize_t kept = 0;
+    for (Py_ssize_t i = 0; i < t->marked.len; i++) {
+        Entry *e = t->marked.items[i];
+        if (e->dirty && e->live) {
+            t->marked.items[kept++] = e;
+        } else {
+            e->dirty = 0;
+            Py_DECREF(e);
+        }
+    }
+    t->marked.len = kept;
+}
+
+/* At a sample: releases, without a last reading, the caches whose weak reference died before the previous sample
+ * and whose finalizer has not come since (a class whose `__del__` someone replaced after it was seen). Under a
+ * collection the callbacks all run before the finalizers, which may run Python: a whole interval is left to them. */
+static void settle_gone(Tracker *t) {
+    EntryList gone = t->gone_before;
+    t->gone_before = t->gone;
+    t->gone.items = NULL;
+    t->gone.len = t->gone.cap = 0;
+    for (Py_ssize_t i = 0; i < gone.len; i++) {
+        if (gone.items[i]->live)
+            commit_release(t, gone.items[i]);
+    }
+    for (Py_ssize_t i = 0; i < gone.len; i++)
+        Py_DECREF(gone.items[i]);
+    PyMem_Free(gone.items);
+}
+
+/* -- reading a cache: Python runs here, and nothing of the ledger is changed -------------------------------------- */
 
 /* A method of the last type it was called on, looked up once (a tensor's storage getters are called ~60 times a step;
  * the lookup by name was a third of each call). Only a plain method is kept: anything else is called by name. */
@@ -438,71 +490,170 @@ static PyObject *call_method(MethodCache *cache, PyObject *self) {
     return PyObject_Vectorcall(cache->method, &self, 1, NULL);
 }
 
-/* Adds the storage of `layer.<name>` to `out`; 0 where it has none, -1 on another error (left set). */
-static int read_slot(PyObject *layer, PyObject *name, Storages *out) {
-    PyObject *tensor = PyObject_GetAttr(layer, name);
-    PyObject *storage = tensor ? call_method(&m_untyped_storage, tensor) : NULL;
-    PyObject *nbytes = storage ? call_method(&m_nbytes, storage) : NULL;
-    int result = 0;
-    if (nbytes == NULL) {
-        if (no_storage_error())
-            PyErr_Clear();
-        else
-            result = -1;
-    } else {
-        long long size = PyLong_AsLongLong(nbytes);
-        if (size == -1 && PyErr_Occurred()) {
-            result = -1;
-        } else if (size > 0) {
-            PyObject *pointer = call_method(&m_data_ptr, storage);
-            void *address = pointer ? PyLong_AsVoidPtr(pointer) : NULL;
-            Py_XDECREF(pointer);
-            if (address == NULL)
-                result = PyErr_Occurred() ? -1 : 0;
-            else
-                result = storages_push(out, (uintptr_t)address, (int64_t)size);
-        }
+typedef struct {
+    Entry *e;
+    uint64_t version; /* the entry's when the reading began */
+    int status;       /* READ_* */
+    char reason;      /* for READ_UNREADABLE */
+    Storages now;     /* for READ_OK */
+} Reading;
+
+/* Whether `type` keeps attribute `which` as a plain instance attribute: the generic attribute lookup, and nothing of
+ * that name in its MRO that computes a value (a property, any descriptor with `__get__`). Reading a cache goes
+ * through such attributes only: no code of the model's own runs, so a reading in the model's thread (at a release,
+ * with whatever locks it holds) cannot wait on anything. The verdict is kept per type (the `types` table: each
+ * type's slot holds two bits per attribute, known and plain). */
+static int plain_attribute(Tracker *t, PyTypeObject *type, int which) {
+    Slot *slot = table_find(&t->types, (uintptr_t)type);
+    int known = 1 << (2 * which), plain = 1 << (2 * which + 1);
+    if (slot != NULL && (slot->holders & known))
+        return (slot->holders & plain) != 0;
+    int verdict = type->tp_getattro == PyObject_GenericGetAttr;
+    if (verdict) {
+        PyObject *found = _PyType_Lookup(type, s_attribute[which]); /* borrowed; runs no Python */
+        verdict = found == NULL || Py_TYPE(found)->tp_descr_get == NULL;
     }
-    Py_XDECREF(nbytes);
-    Py_XDECREF(storage);
-    Py_XDECREF(tensor);
-    return result;
+    if (slot == NULL && table_reserve(&t->types, t->types.used + 1) == 0) {
+        slot = table_slot(&t->types, (uintptr_t)type);
+        slot->object = Py_NewRef((PyObject *)type); /* a type's address must not pass for another's */
+        slot->holders = 0;
+    }
+    if (slot != NULL)
+        slot->holders |= known | (verdict ? plain : 0);
+    return verdict;
 }
 
-/* What a cache's layers hold as K or V, sorted by pointer, each once (nothing for what cannot be read: the
- * sampler's walk says why). An unexpected error is reported and that slot left out. */
-static int read_cache(Tracker *t, PyObject *state, Storages *out) {
-    if (state == NULL || !PyDict_Check(state))
+/* `object`'s plain attribute `which` (a new reference), or NULL (no exception) where it has none it can read. */
+static PyObject *plain(Tracker *t, PyObject *object, int which) {
+    if (!plain_attribute(t, Py_TYPE(object), which))
+        return NULL;
+    PyObject *value = PyObject_GenericGetAttr(object, s_attribute[which]);
+    if (value == NULL)
+        PyErr_Clear();
+    return value;
+}
+
+/* Adds the storage of one K or V tensor to `r`; -1 with `r` set unreadable or failed. */
+static int read_tensor(Tracker *t, PyObject *tensor, Reading *r, PyObject **first) {
+    if (tensor == NULL || tensor == Py_None)
         return 0;
-    PyObject *layers = PyDict_GetItemWithError(state, s_layers);
-    if (layers == NULL) {
-        if (PyErr_Occurred())
-            report(t, "peak");
-        return 0;
+    if (!PyObject_TypeCheck(tensor, (PyTypeObject *)t->tensor_type)) {
+        r->status = READ_UNREADABLE;
+        r->reason = NOT_A_TENSOR;
+        return -1;
     }
-    if (!PyList_CheckExact(layers))
-        return 0;
-    Py_INCREF(layers);
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(layers); i++) { /* re-read: Python code may run in between */
-        PyObject *layer = Py_NewRef(PyList_GET_ITEM(layers, i));
-        if (see_class(t, Py_TYPE(layer)) < 0)
-            report(t, "peak");
-        if (read_slot(layer, s_keys, out) < 0 || read_slot(layer, s_values, out) < 0) {
-            if (PyErr_ExceptionMatches(PyExc_MemoryError)) {
-                Py_DECREF(layer);
-                Py_DECREF(layers);
-                return -1;
-            }
-            report(t, "peak");
-        }
-        Py_DECREF(layer);
+    PyObject *storage = call_method(&m_untyped_storage, tensor);
+    if (storage == NULL) { /* torch's answer for sparse, nested and wrapper tensors */
+        int expected = PyErr_ExceptionMatches(PyExc_NotImplementedError) || PyErr_ExceptionMatches(PyExc_RuntimeError);
+        r->status = expected ? READ_UNREADABLE : READ_FAILED;
+        r->reason = NO_STORAGE;
+        if (expected)
+            PyErr_Clear();
+        return -1;
     }
-    Py_DECREF(layers);
-    storages_sort_unique(out);
+    PyObject *nbytes = call_method(&m_nbytes, storage);
+    long long size = nbytes ? PyLong_AsLongLong(nbytes) : -1;
+    Py_XDECREF(nbytes);
+    PyObject *pointer = size > 0 ? call_method(&m_data_ptr, storage) : NULL;
+    void *address = pointer ? PyLong_AsVoidPtr(pointer) : NULL;
+    Py_XDECREF(pointer);
+    Py_DECREF(storage);
+    if (PyErr_Occurred()) {
+        r->status = READ_FAILED;
+        return -1;
+    }
+    if (size <= 0 || address == NULL) /* empty storages all report pointer 0 and hold nothing */
+        return 0;
+    if (storages_push(&r->now, (uintptr_t)address, (int64_t)size) < 0) {
+        r->status = READ_FAILED;
+        return -1;
+    }
+    if (*first == NULL)
+        *first = Py_NewRef(tensor);
     return 0;
 }
 
-/* -- the accounts ------------------------------------------------------------------------------------------------ */
+static int see_class(Tracker *t, PyTypeObject *type, int layer);
+
+/* Reads one layer list into `r`. */
+static void read_layers(Tracker *t, PyObject *layers, Reading *r, PyObject **first) {
+    PyObject *copy = PySequence_Tuple(layers); /* another thread may append a layer while this one reads */
+    if (copy == NULL) {
+        r->status = READ_FAILED;
+        return;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(copy) && r->status == READ_OK; i++) {
+        PyObject *layer = PyTuple_GET_ITEM(copy, i);
+        if (see_class(t, Py_TYPE(layer), 1) < 0)
+            fail(t, "a layer class");
+        if (layer != Py_None && (!plain_attribute(t, Py_TYPE(layer), A_KEYS) ||
+                                 !plain_attribute(t, Py_TYPE(layer), A_VALUES))) {
+            r->status = READ_UNREADABLE; /* its K or V is computed by code of its class */
+            r->reason = LAYERS_RAISED;
+        }
+        for (int which = A_KEYS; which <= A_VALUES && r->status == READ_OK; which++) {
+            PyObject *tensor = layer == Py_None ? NULL : plain(t, layer, which);
+            read_tensor(t, tensor, r, first);
+            Py_XDECREF(tensor);
+        }
+    }
+    Py_DECREF(copy);
+}
+
+/* An encoder-decoder cache holds no layers of its own: its two halves are caches of their own, counted with it. */
+static int read_halves(Tracker *t, PyObject *cache) {
+    int found = 0;
+    for (int which = A_SELF_ATTENTION; which <= A_CROSS_ATTENTION; which++) {
+        PyObject *half = plain(t, cache, which);
+        if (half != NULL && half != Py_None) {
+            found = 1;
+            PyObject *entry = objmap_get(&t->live, (uintptr_t)half);
+            if (entry != NULL)
+                ((Entry *)entry)->half = 1;
+        }
+        Py_XDECREF(half);
+    }
+    return found;
+}
+
+/* A cache whose instance dictionary is still empty has not run its `__init__` yet (nor been filled by a copy). */
+static int uninitialised(PyObject *cache) {
+    PyObject *dict = PyObject_GenericGetDict(cache, NULL);
+    int empty = dict != NULL && PyDict_Check(dict) && PyDict_GET_SIZE(dict) == 0;
+    if (dict == NULL)
+        PyErr_Clear();
+    Py_XDECREF(dict);
+    return empty;
+}
+
+/* Reads what `cache` (`r->e`'s) holds into `r`, and settles a candidate owner by its first K/V tensor. A cache not
+ * initialised yet stays marked, read again at the next catch-up. */
+static void read_cache(Tracker *t, PyObject *cache, Reading *r) {
+    r->status = READ_OK;
+    PyObject *first = NULL;
+    PyObject *layers = plain(t, cache, A_LAYERS);
+    if (layers != NULL && (PyList_Check(layers) || PyTuple_Check(layers))) {
+        read_layers(t, layers, r, &first);
+    } else if (!read_halves(t, cache)) {
+        r->status = uninitialised(cache) ? READ_UNINITIALISED : READ_UNREADABLE;
+        r->reason = NO_LAYERS;
+    }
+    Py_XDECREF(layers);
+    if (r->status == READ_FAILED) {
+        fail(t, "reading a cache");
+        r->status = READ_UNREADABLE;
+        r->reason = LAYERS_RAISED;
+    }
+    Entry *e = r->e;
+    if (r->status == READ_OK && first != NULL && e->candidate != NULL && e->candidate != Py_None) {
+        PyObject *decided = PyObject_CallMethodObjArgs(t->delegate, s_decide, (PyObject *)e, cache, first, NULL);
+        if (decided == NULL)
+            fail(t, "an owner's geometry");
+        Py_XDECREF(decided);
+    }
+    Py_XDECREF(first);
+    storages_sort_unique(&r->now);
+}
 
 static Py_ssize_t tally_of(Tracker *t, PyObject *owner) {
     PyObject *index = PyDict_GetItemWithError(t->tally_index, owner);
@@ -511,8 +662,10 @@ static Py_ssize_t tally_of(Tracker *t, PyObject *owner) {
     if (PyErr_Occurred())
         return -1;
     Tally *totals = room_for_one(t->totals, t->tallies, &t->tallies_cap, sizeof(Tally));
-    if (totals == NULL)
+    if (totals == NULL) {
+        PyErr_NoMemory();
         return -1;
+    }
     t->totals = totals;
     PyObject *number = PyLong_FromSsize_t(t->tallies);
     if (number == NULL || PyDict_SetItem(t->tally_index, owner, number) < 0 || PyList_Append(t->tally_names, owner) < 0) {
@@ -524,196 +677,146 @@ static Py_ssize_t tally_of(Tracker *t, PyObject *owner) {
     return t->tallies++;
 }
 
-/* The tally a new storage of `e` is charged to; its first storage settles a candidate (the delegate's geometry
- * check). A failure charges it to its owner as it stands. */
-static Py_ssize_t charge(Tracker *t, Entry *e, uintptr_t ptr) {
-    if (e->tally >= 0)
-        return e->tally;
-    if (e->candidate != NULL && e->candidate != Py_None && e->owner != NULL && e->owner != Py_None) {
-        PyObject *pointer = PyLong_FromVoidPtr((void *)ptr);
-        PyObject *result = pointer ? PyObject_CallMethodObjArgs(t->delegate, s_charge, (PyObject *)e, pointer, NULL)
-                                   : NULL;
-        Py_XDECREF(pointer);
-        if (result == NULL)
-            report(t, "peak");
-        Py_XDECREF(result);
-    }
-    PyObject *owner = (e->owner != NULL && PyUnicode_Check(e->owner)) ? e->owner : t->unattributed;
-    Py_INCREF(owner);
-    Py_ssize_t tally = tally_of(t, owner);
-    Py_DECREF(owner);
-    if (tally >= 0)
-        e->tally = tally;
-    return tally;
+static PyObject *owner_of(Tracker *t, Entry *e) {
+    return (e->owner != NULL && PyUnicode_Check(e->owner)) ? e->owner : t->unattributed;
 }
 
-static void give_up(Tracker *t, uintptr_t ptr) {
-    Slot *slot = table_find(&t->held, ptr);
-    if (slot == NULL)
-        return;
-    if (--slot->holders <= 0) {
-        t->totals[slot->tally].current -= slot->nbytes;
-        table_remove(&t->held, slot);
-    }
+/* -- catching up --------------------------------------------------------------------------------------------------- */
+
+static double seconds(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
 }
 
-/* Reads every marked cache: the totals then are at least what they were at any instant since the last read. */
-static int catch_up_held(Tracker *t) {
-    EntryList marked = entrylist_take(&t->marked);
-    if (marked.len == 0)
-        return 0;
-    int result = 0;
-    Storages *now = PyMem_Calloc((size_t)marked.len, sizeof(Storages));
-    if (now == NULL) {
-        PyErr_NoMemory();
-        result = -1;
-    }
-    /* first what each dropped: its address may hold another's storage now */
-    for (Py_ssize_t i = 0; result == 0 && i < marked.len; i++) {
-        Entry *e = marked.items[i];
-        e->dirty = 0;
-        if (!e->live)
-            continue;
-        if (read_cache(t, e->state, &now[i]) < 0) {
-            result = -1;
-            break;
-        }
-        Py_ssize_t kept = 0;
-        for (Py_ssize_t k = 0; k < e->held.len; k++) {
-            if (storages_contain(&now[i], e->held.items[k].ptr))
-                e->held.items[kept++] = e->held.items[k];
-            else
-                give_up(t, e->held.items[k].ptr);
-        }
-        e->held.len = kept; /* what it still holds: a release in between gives up exactly that */
-    }
-    /* then what each holds now */
-    Py_ssize_t settled = 0; /* entries whose reading is complete */
-    for (Py_ssize_t i = 0; result == 0 && i < marked.len; i++, settled = i) {
-        Entry *e = marked.items[i];
-        if (!e->live)
-            continue;
-        Storages *read = &now[i];
-        for (Py_ssize_t k = 0; k < read->len; k++) {
-            uintptr_t ptr = read->items[k].ptr;
-            if (storages_contain(&e->held, ptr))
-                continue;
-            Slot *slot = table_find(&t->held, ptr);
-            if (slot != NULL) {
-                slot->holders++;
-                continue;
+/* Applies the readings whose caches did not change meanwhile: what each dropped first, then what each holds. */
+static void commit(Tracker *t, Reading *readings, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Reading *r = &readings[i];
+        Entry *e = r->e;
+        r->status = (e->live && e->version == r->version) ? r->status : READ_GONE;
+        if (r->status == READ_OK) {
+            Py_ssize_t kept = 0;
+            for (Py_ssize_t k = 0; k < e->held.len; k++) {
+                if (storages_contain(&r->now, e->held.items[k]))
+                    e->held.items[kept++] = e->held.items[k];
+                else
+                    give_up(t, e->held.items[k]);
             }
-            Py_ssize_t tally = charge(t, e, ptr);
-            Slot *held = tally < 0 ? NULL : table_slot(&t->held, ptr);
-            if (held == NULL) {
-                result = -1;
-                break;
-            }
-            held->nbytes = read->items[k].nbytes;
-            held->holders = 1;
-            held->tally = tally;
-            t->totals[tally].current += read->items[k].nbytes;
-        }
-        if (result < 0)
-            break;
-        storages_free(&e->held);
-        e->held = *read;
-        read->items = NULL;
-        read->len = read->cap = 0;
-    }
-    for (Py_ssize_t k = 0; k < t->tallies; k++)
-        if (t->totals[k].current > t->totals[k].peak)
-            t->totals[k].peak = t->totals[k].current;
-    for (Py_ssize_t i = 0; i < marked.len; i++) {
-        Entry *e = marked.items[i];
-        if (i >= settled) { /* a failure left it half read: read again at the next catch-up */
+            e->held.len = kept;
+        } else if (r->status == READ_UNREADABLE) {
+            give_up_all(t, e);
+            e->reason = r->reason;
             e->dirty = 0;
-            if (mark(t, e) < 0)
-                PyErr_Clear();
         }
-        if (now != NULL)
-            storages_free(&now[i]);
-        Py_DECREF(e);
     }
-    PyMem_Free(now);
-    PyMem_Free(marked.items);
-    return result;
-}
-
-/* Drops `e` from the live table (its last reference may go with it). */
-static void forget(Tracker *t, Entry *e) {
-    e->live = 0;
-    Py_CLEAR(e->state);
-    PyObject *held = objmap_pop(&t->live, (uintptr_t)e->cache_id);
-    if (held != NULL && held != (PyObject *)e) { /* another cache at that address took its slot: put it back */
-        PyObject *replaced;
-        if (objmap_put(&t->live, (uintptr_t)e->cache_id, held, &replaced) < 0)
-            PyErr_Clear();
-        Py_XDECREF(replaced);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Reading *r = &readings[i];
+        if (r->status != READ_OK)
+            continue;
+        Entry *e = r->e;
+        for (Py_ssize_t k = 0; k < r->now.len; k++)
+            if (!storages_contain(&e->held, r->now.items[k]))
+                take(t, e, r->now.items[k]);
+        Storages previous = e->held;
+        e->held = r->now;
+        r->now = previous;
+        e->reason = READABLE;
+        e->dirty = 0;
     }
-    Py_XDECREF(held);
+    raise_peaks(t);
+    compact_marked(t);
 }
 
-/* `e`'s cache is gone: count the instant before, then its storage goes. Inside the accounts. */
-static void release_held(Tracker *t, Entry *e) {
-    if (t->marked.len && catch_up_held(t) < 0)
-        report(t, "peak");
-    for (Py_ssize_t k = 0; k < e->held.len; k++)
-        give_up(t, e->held.items[k].ptr);
-    storages_free(&e->held);
-    forget(t, e);
-}
-
-static void settle_deferred(Tracker *t) {
-    while (t->deferred.len) {
-        EntryList deferred = entrylist_take(&t->deferred);
-        for (Py_ssize_t i = 0; i < deferred.len; i++) {
-            if (deferred.items[i]->live)
-                release_held(t, deferred.items[i]);
-            Py_DECREF(deferred.items[i]);
-        }
-        PyMem_Free(deferred.items);
+/* Reads the marked caches and commits what they hold (`final`, a cache being finalized, is read from `final_cache`:
+ * its weak reference may be dead already). `pause`, if given, is called about every `slice_s` of reading. Never
+ * raises: failures are counted. */
+static void catch_up(Tracker *t, Entry *final, PyObject *final_cache, PyObject *pause, double slice_s) {
+    Py_ssize_t n = t->marked.len;
+    if (n == 0)
+        return;
+    Reading *readings = PyMem_Calloc((size_t)n, sizeof(Reading));
+    if (readings == NULL) {
+        fail(t, "catching up");
+        return;
     }
-}
-
-/* Releases what arrived meanwhile and leaves the accounts; an exception pending on entry is kept for the caller. */
-static void settle_and_leave(Tracker *t) {
-    PyObject *error_type, *error, *traceback;
-    PyErr_Fetch(&error_type, &error, &traceback);
-    settle_deferred(t);
-    leave(t);
-    PyErr_Restore(error_type, error, traceback);
-}
-
-/* -- Python-facing methods ----------------------------------------------------------------------------------------- */
-
-/* The weak-reference callback of every entry: never raises. */
-static PyObject *tracker_released(Tracker *t, PyObject *ref) {
-    if (!PyObject_TypeCheck(ref, &EntryType))
-        Py_RETURN_NONE;
-    Entry *e = (Entry *)Py_NewRef(ref);
-    if (e->live) {
-        if (!t->follows_peaks || (e->held.len == 0 && !e->dirty)) { /* nothing it holds is counted: nothing falls */
-            forget(t, e);
-        } else if (!enter(t)) {
-            if (entrylist_push(&t->deferred, e) < 0)
-                report(t, "peak");
+    for (Py_ssize_t i = 0; i < n; i++) {
+        readings[i].e = (Entry *)Py_NewRef(t->marked.items[i]);
+        readings[i].version = readings[i].e->version;
+    }
+    t->reading++;
+    double since = pause ? seconds() : 0;
+    size_t storages = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Reading *r = &readings[i];
+        Entry *e = r->e;
+        PyObject *cache = e == final ? Py_NewRef(final_cache) : entry_cache(e);
+        if (cache == NULL || !e->live) {
+            r->status = READ_GONE;
         } else {
-            release_held(t, e);
-            settle_and_leave(t);
+            read_cache(t, cache, r);
+            if (r->status == READ_OK && r->now.len && e->tally < 0 && (e->tally = tally_of(t, owner_of(t, e))) < 0) {
+                fail(t, "an owner's tally");
+                r->status = READ_GONE;
+            }
+            storages += (size_t)r->now.len;
+        }
+        Py_XDECREF(cache); /* may release a cache: its finalizer catches up on its own, nested */
+        if (pause != NULL && seconds() - since >= slice_s) {
+            PyObject *paused = PyObject_CallNoArgs(pause);
+            if (paused == NULL)
+                fail(t, "pausing");
+            Py_XDECREF(paused);
+            since = seconds();
         }
     }
-    Py_DECREF(e);
-    if (PyErr_Occurred())
-        report(t, "peak");
-    Py_RETURN_NONE;
+    t->reading--;
+    if (table_reserve(&t->held, t->held.used + storages) < 0) { /* nothing committed: every entry stays marked */
+        fail(t, "catching up");
+    } else {
+        commit(t, readings, n);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        storages_free(&readings[i].now);
+        Py_DECREF(readings[i].e);
+    }
+    PyMem_Free(readings);
 }
 
-static PyMethodDef released_def = {"released", (PyCFunction)tracker_released, METH_O, NULL};
+/* Gives back what a crowd of caches, gone, left the tables and the marked list (at a sample). */
+static void shrink(Tracker *t) {
+    table_shrink(&t->held);
+    table_shrink(&t->live);
+    if (t->marked.cap > 64 && t->marked.len * 8 < t->marked.cap) {
+        Py_ssize_t cap = t->marked.len * 2 > 16 ? t->marked.len * 2 : 16;
+        Entry **items = PyMem_Realloc(t->marked.items, (size_t)cap * sizeof(Entry *));
+        if (items != NULL) {
+            t->marked.items = items;
+            t->marked.cap = cap;
+        }
+    }
+}
+
+/* -- attributing a new cache ------------------------------------------------------------------------------------- */
+
+/* A cache class first met (defined after the install), or where updates are followed a layer class, is handed to
+ * the delegate, which wraps its methods; -1 on error (left set). */
+static int see_class(Tracker *t, PyTypeObject *type, int layer) {
+    if (layer && !t->follows_peaks)
+        return 0;
+    int known = PySet_Contains(t->known_classes, (PyObject *)type);
+    if (known != 0)
+        return known < 0 ? -1 : 0;
+    PyObject *seen = PyObject_CallMethodOneArg(t->delegate, s_class_seen, (PyObject *)type);
+    if (seen == NULL)
+        return -1;
+    Py_DECREF(seen);
+    return 0;
+}
 
 /* Names the owner of a cache made by `frame` (the caller of the cache class's `__new__`): the first frame running a
  * module's code names it. Sets owner and candidate (new references); -1 on error. */
-static int attribute(Tracker *t, PyFrameObject *frame, PyObject **owner, PyObject **candidate) {
+static int attribute_frame(Tracker *t, PyFrameObject *frame, PyObject **owner, PyObject **candidate) {
     Py_XINCREF(frame);
     while (frame != NULL) {
         PyCodeObject *code = PyFrame_GetCode(frame);
@@ -746,42 +849,115 @@ static int attribute(Tracker *t, PyFrameObject *frame, PyObject **owner, PyObjec
     return 0;
 }
 
-static int is_copying(Tracker *t, PyFrameObject *frame) {
-    if (frame == NULL)
-        return 0;
-    PyCodeObject *code = PyFrame_GetCode(frame);
-    int found = 0;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(t->copying); i++)
-        found |= PyTuple_GET_ITEM(t->copying, i) == (PyObject *)code;
-    Py_DECREF(code);
-    return found;
-}
-
 static Entry *new_entry(Tracker *t, PyObject *cache) {
-    PyObject *args[] = {cache, t->on_release};
-    Entry *e = (Entry *)PyObject_Vectorcall((PyObject *)&EntryType, args, 2, NULL);
+    Entry *e = PyObject_GC_New(Entry, &EntryType);
     if (e == NULL)
         return NULL;
+    e->tracker = (Tracker *)Py_NewRef((PyObject *)t);
+    e->ref = NULL;
     e->cache_id = (Py_ssize_t)(uintptr_t)cache;
     e->seq = t->next_seq++;
+    e->owner = Py_NewRef(Py_None);
+    e->candidate = Py_NewRef(Py_None);
+    e->pending = NULL;
+    e->held.items = NULL;
+    e->held.len = e->held.cap = 0;
     e->tally = -1;
-    e->state = PyObject_GetAttr(cache, s_dict);
-    if (e->state == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            Py_DECREF(e);
-            return NULL;
-        }
-        PyErr_Clear();
+    e->version = 0;
+    e->dirty = e->live = e->half = e->reason = 0;
+    PyObject_GC_Track(e);
+    e->ref = PyWeakref_NewRef(cache, (PyObject *)e); /* TypeError for a cache that cannot be weakly referenced */
+    if (e->ref == NULL) {
+        Py_DECREF(e);
+        return NULL;
     }
     return e;
 }
+
+/* -- Entry's type ---------------------------------------------------------------------------------------------------- */
+
+/* The weak reference's callback: the cache is gone. Its finalizer (`release`) normally came first and forgot it;
+ * under a garbage collection the callback comes first, and the finalizer after it reads the cache: until then the
+ * entry waits in `gone`, released without a last reading if no finalizer ever comes. */
+static PyObject *entry_call(Entry *e, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kwargs)) {
+    Tracker *t = e->tracker;
+    if (t != NULL && e->live && entrylist_push(&t->gone, e) < 0) {
+        Py_INCREF(e);
+        commit_release(t, e);
+        Py_DECREF(e);
+        fail(t, "a release");
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *entry_get_cache(Entry *e, PyObject *Py_UNUSED(ignored)) {
+    PyObject *cache = entry_cache(e);
+    return cache ? cache : Py_NewRef(Py_None);
+}
+
+static int entry_traverse(Entry *e, visitproc visit, void *arg) {
+    Py_VISIT(e->tracker);
+    Py_VISIT(e->ref);
+    Py_VISIT(e->owner);
+    Py_VISIT(e->candidate);
+    Py_VISIT(e->pending);
+    return 0;
+}
+
+static int entry_clear(Entry *e) {
+    Py_CLEAR(e->tracker);
+    Py_CLEAR(e->ref);
+    Py_CLEAR(e->owner);
+    Py_CLEAR(e->candidate);
+    Py_CLEAR(e->pending);
+    return 0;
+}
+
+static void entry_dealloc(Entry *e) {
+    PyObject_GC_UnTrack(e);
+    entry_clear(e);
+    storages_free(&e->held);
+    PyObject_GC_Del(e);
+}
+
+static PyMemberDef entry_members[] = {
+    {"cache_id", T_PYSSIZET, offsetof(Entry, cache_id), READONLY, "id() of the cache"},
+    {"owner", T_OBJECT, offsetof(Entry, owner), 0, "the owner's module path, None until known"},
+    {"candidate", T_OBJECT, offsetof(Entry, candidate), 0, "a declaring ancestor it may belong to, or None"},
+    {"pending", T_OBJECT, offsetof(Entry, pending), 0, "modules on the creating stack before the model was known"},
+    {"reason", T_BYTE, offsetof(Entry, reason), READONLY, "why it cannot be read (0: it can)"},
+    {NULL},
+};
+
+static PyMethodDef entry_methods[] = {
+    {"cache", (PyCFunction)entry_get_cache, METH_NOARGS, "cache()\n--\n\nThe cache, or None once it is gone."},
+    {NULL},
+};
+
+static PyTypeObject EntryType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kv_exporter.plugin.observe._tracker.Entry",
+    .tp_basicsize = sizeof(Entry),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "One tracked cache, weakly, with its owner and what it held when last read.",
+    .tp_call = (ternaryfunc)entry_call,
+    .tp_traverse = (traverseproc)entry_traverse,
+    .tp_clear = (inquiry)entry_clear,
+    .tp_dealloc = (destructor)entry_dealloc,
+    .tp_members = entry_members,
+    .tp_methods = entry_methods,
+};
+
+/* -- Tracker's methods ----------------------------------------------------------------------------------------------- */
 
 PyDoc_STRVAR(track_doc, "track(cache)\n--\n\nTrack a cache just made: called from the cache class's `__new__`, whose "
                         "caller is the code that made it (its owner). Raises TypeError for a cache that cannot be "
                         "weakly referenced.");
 
 static PyObject *tracker_track(Tracker *t, PyObject *cache) {
-    if (see_class(t, Py_TYPE(cache)) < 0)
+    if (see_class(t, Py_TYPE(cache), 0) < 0)
+        return NULL;
+    int unfollowed = PySet_Contains(t->unfollowed, (PyObject *)Py_TYPE(cache));
+    if (unfollowed < 0)
         return NULL;
     Entry *e = new_entry(t, cache);
     if (e == NULL)
@@ -790,27 +966,33 @@ static PyObject *tracker_track(Tracker *t, PyObject *cache) {
     PyFrameObject *maker = here != NULL ? PyFrame_GetBack(here) : NULL;
     int failed = 0;
     if (t->model_known) {
-        failed = attribute(t, maker, &e->owner, &e->candidate);
+        Py_CLEAR(e->owner);
+        Py_CLEAR(e->candidate);
+        failed = attribute_frame(t, maker, &e->owner, &e->candidate) < 0;
         e->pending = PyTuple_New(0);
     } else {
         e->pending = PyObject_CallMethodOneArg(t->delegate, s_modules_on_stack, maker ? (PyObject *)maker : Py_None);
     }
-    failed = failed || e->pending == NULL;
-    PyObject *stale = failed ? NULL : objmap_get(&t->live, (uintptr_t)cache);
-    if (stale != NULL) { /* a cache at this address whose release is still deferred: released first */
-        PyObject *done = tracker_released(t, stale);
-        Py_XDECREF(done);
-    }
-    PyObject *replaced = NULL;
-    if (!failed)
-        failed = objmap_put(&t->live, (uintptr_t)cache, (PyObject *)e, &replaced) < 0;
-    if (!failed) {
+    failed = failed || e->pending == NULL || table_reserve(&t->live, t->live.used + 1) < 0;
+    if (failed) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+    } else {
+        /* commit: a cache at this address whose release is still waiting is gone first */
+        Slot *slot = table_find(&t->live, (uintptr_t)cache);
+        if (slot != NULL) {
+            Entry *stale = (Entry *)Py_NewRef(slot->object);
+            commit_release(t, stale);
+            Py_DECREF(stale);
+        }
+        slot = table_slot(&t->live, (uintptr_t)cache);
+        slot->object = Py_NewRef((PyObject *)e);
         e->live = 1;
-        Py_XDECREF(replaced); /* its release, deferred, finds this one in its place and leaves it */
-        if (t->follows_peaks && is_copying(t, maker)) /* its contents arrive after `__new__`, unannounced */
-            failed = mark(t, e) < 0;
+        e->reason = unfollowed ? NOT_FOLLOWED : READABLE;
+        if (t->follows_peaks) /* what `__init__` or a copy fills in is read at the next catch-up */
+            mark_entry(t, e);
     }
-    if (!failed && (e->owner == NULL || e->owner == Py_None) && t->model_known) { /* the model came meanwhile */
+    if (!failed && e->owner == Py_None && t->model_known) { /* the model came meanwhile */
         PyObject *settled = PyObject_CallMethodOneArg(t->delegate, s_settle, (PyObject *)e);
         failed = settled == NULL;
         Py_XDECREF(settled);
@@ -822,83 +1004,192 @@ static PyObject *tracker_track(Tracker *t, PyObject *cache) {
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(mark_doc, "mark(cache)\n--\n\nWhat `cache` holds may have grown: read it at the next fall or sample.");
+PyDoc_STRVAR(mark_doc, "mark(cache)\n--\n\nWhat `cache` holds may have grown: read it at the next catch-up. Catches "
+                       "up first if a sample asked (`request`). Never raises.");
 
 static PyObject *tracker_mark(Tracker *t, PyObject *cache) {
-    PyObject *e = objmap_get(&t->live, (uintptr_t)cache);
-    if (e != NULL && mark(t, (Entry *)e) < 0)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(catch_up_doc, "catch_up()\n--\n\nRead every marked cache now (just before something may fall); "
-                           "failures are reported to the delegate, never raised.");
-
-static PyObject *tracker_catch_up(Tracker *t, PyObject *Py_UNUSED(ignored)) {
-    if (t->marked.len == 0 || !enter(t))
-        Py_RETURN_NONE;
-    if (catch_up_held(t) < 0)
-        report(t, "peak");
-    settle_and_leave(t);
-    if (PyErr_Occurred())
-        report(t, "peak");
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(take_peaks_doc, "take_peaks()\n--\n\nowner -> the most its caches held since the last call, for the "
-                             "owners that held anything; the next interval starts at what they hold now.");
-
-static PyObject *tracker_take_peaks(Tracker *t, PyObject *Py_UNUSED(ignored)) {
-    if (!enter(t)) {
-        PyErr_SetString(PyExc_RuntimeError, "take_peaks() from inside the accounts");
-        return NULL;
+    t->marks++;
+    Slot *slot = table_find(&t->live, (uintptr_t)cache);
+    if (slot != NULL)
+        mark_entry(t, (Entry *)slot->object);
+    if (t->requested != t->served && t->reading == 0) {
+        uint64_t asked = t->requested;
+        catch_up(t, NULL, NULL, NULL, 0);
+        t->served = asked;
     }
-    PyObject *peaks = NULL;
-    if (catch_up_held(t) == 0 && (peaks = PyDict_New()) != NULL) {
-        for (Py_ssize_t k = 0; k < t->tallies; k++) {
-            if (t->totals[k].peak > 0) {
-                PyObject *value = PyLong_FromLongLong(t->totals[k].peak);
-                if (value == NULL || PyDict_SetItem(peaks, PyList_GET_ITEM(t->tally_names, k), value) < 0) {
-                    Py_XDECREF(value);
-                    Py_CLEAR(peaks);
-                    break;
-                }
-                Py_DECREF(value);
-            }
-            t->totals[k].peak = t->totals[k].current;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(catch_up_doc, "catch_up(pause=None, slice_s=0.0004)\n--\n\nRead every marked cache now and commit what "
+                           "they hold (just before something may fall, or for a sample: then `pause` is called about "
+                           "every `slice_s` seconds of reading). Serves the requests made so far. Never raises.");
+
+static PyObject *tracker_catch_up(Tracker *t, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"pause", "slice_s", NULL};
+    PyObject *pause = Py_None;
+    double slice_s = 0.0004;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|Od:catch_up", names, &pause, &slice_s))
+        return NULL;
+    uint64_t asked = t->requested;
+    catch_up(t, NULL, NULL, pause == Py_None ? NULL : pause, slice_s);
+    t->served = asked;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(release_doc, "release(cache)\n--\n\nA tracked cache's finalizer: count the instant before it goes (its "
+                          "last contents read), then give up what it holds. Never raises.");
+
+static PyObject *tracker_release(Tracker *t, PyObject *cache) {
+    Slot *slot = table_find(&t->live, (uintptr_t)cache);
+    if (slot == NULL)
+        Py_RETURN_NONE;
+    Entry *e = (Entry *)Py_NewRef(slot->object);
+    PyObject *referent = entry_cache(e); /* NULL under a collection, which cleared the weak reference first */
+    if (referent == NULL || referent == cache) {
+        if (t->follows_peaks && t->marked.len)
+            catch_up(t, e, cache, NULL, 0);
+        if (e->live)
+            commit_release(t, e);
+    }
+    Py_XDECREF(referent);
+    Py_DECREF(e);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(request_doc, "request()\n--\n\nAsk the next thread that marks a cache to catch up first (a sample's "
+                          "figures, read in the model's own thread); returns the request's number (see `served`).");
+
+static PyObject *tracker_request(Tracker *t, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromUnsignedLongLong(++t->requested);
+}
+
+PyDoc_STRVAR(take_doc, "take()\n--\n\n({owner: (bytes, peak, caches)}, {(owner, reason): caches}): what each owner's "
+                       "readable caches hold now and the most since the last take, and the caches left out by reason. "
+                       "The next interval's peak starts at what they hold now.");
+
+static PyObject *tracker_take(Tracker *t, PyObject *Py_UNUSED(ignored)) {
+    settle_gone(t);
+    for (size_t j = 0; j < table_size(&t->live); j++) { /* every owner with a live cache has a tally */
+        Entry *e = (Entry *)t->live.slots[j].object;
+        if (e != NULL && e->tally < 0 && tally_of(t, owner_of(t, e)) < 0)
+            return NULL;
+    }
+    Py_ssize_t *counts = PyMem_Calloc((size_t)(t->tallies ? t->tallies : 1) * REASONS, sizeof(Py_ssize_t));
+    if (counts == NULL)
+        return PyErr_NoMemory();
+    for (size_t j = 0; j < table_size(&t->live); j++) {
+        Entry *e = (Entry *)t->live.slots[j].object;
+        if (e == NULL || e->half)
+            continue;
+        Py_ssize_t tally = e->tally;
+        if (tally < 0) {
+            PyObject *index = PyDict_GetItemWithError(t->tally_index, owner_of(t, e));
+            tally = index ? PyLong_AsSsize_t(index) : -1;
+        }
+        if (tally >= 0)
+            counts[tally * REASONS + e->reason]++;
+    }
+    PyObject *owners = PyDict_New(), *unreadable = PyDict_New(), *result = NULL;
+    for (Py_ssize_t k = 0; owners != NULL && unreadable != NULL && k < t->tallies; k++) {
+        PyObject *name = PyList_GET_ITEM(t->tally_names, k);
+        Tally *tally = &t->totals[k];
+        Py_ssize_t *count = &counts[k * REASONS];
+        if (tally->peak > 0 || count[READABLE] > 0) {
+            PyObject *figures = Py_BuildValue("(LLn)", (long long)tally->current, (long long)tally->peak,
+                                              count[READABLE]);
+            if (figures == NULL || PyDict_SetItem(owners, name, figures) < 0)
+                Py_CLEAR(owners);
+            Py_XDECREF(figures);
+        }
+        for (int reason = 1; owners != NULL && reason < REASONS; reason++) {
+            if (count[reason] == 0)
+                continue;
+            PyObject *key = Py_BuildValue("(Oi)", name, reason), *value = PyLong_FromSsize_t(count[reason]);
+            if (key == NULL || value == NULL || PyDict_SetItem(unreadable, key, value) < 0)
+                Py_CLEAR(owners);
+            Py_XDECREF(key);
+            Py_XDECREF(value);
         }
     }
-    settle_and_leave(t);
-    return peaks;
+    PyMem_Free(counts);
+    if (owners != NULL && unreadable != NULL) {
+        result = PyTuple_Pack(2, owners, unreadable);
+        if (result != NULL)
+            for (Py_ssize_t k = 0; k < t->tallies; k++)
+                t->totals[k].peak = t->totals[k].current;
+    }
+    shrink(t);
+    Py_XDECREF(owners);
+    Py_XDECREF(unreadable);
+    return result;
 }
 
-PyDoc_STRVAR(rebuild_doc, "rebuild()\n--\n\nCount again from the live caches (once their owners are known): what they "
-                          "hold now is the new peak.");
+PyDoc_STRVAR(audit_doc, "audit(count)\n--\n\nMark up to `count` live caches (all of them when negative) for the next "
+                        "catch-up, round robin: what changed without a hooked method is read within a few samples.");
+
+static PyObject *tracker_audit(Tracker *t, PyObject *arg) {
+    Py_ssize_t count = PyLong_AsSsize_t(arg);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
+    size_t size = table_size(&t->live);
+    if (count < 0 || (size_t)count > t->live.used)
+        count = (Py_ssize_t)t->live.used;
+    for (size_t visited = 0; count > 0 && visited < size; visited++) {
+        t->audit_cursor = (t->audit_cursor + 1) % size;
+        Entry *e = (Entry *)t->live.slots[t->audit_cursor].object;
+        if (e != NULL) {
+            mark_entry(t, e);
+            count--;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(rebuild_doc, "rebuild()\n--\n\nForget the ledger and mark every live cache (once their owners are "
+                          "known): the next catch-up counts them again, and what they hold then is the new peak.");
 
 static PyObject *tracker_rebuild(Tracker *t, PyObject *Py_UNUSED(ignored)) {
-    if (!enter(t)) {
-        PyErr_SetString(PyExc_RuntimeError, "rebuild() from inside the accounts");
-        return NULL;
-    }
-    int failed = 0;
-    table_clear(&t->held);
+    table_clear(&t->held, 0);
     t->tallies = 0;
     PyDict_Clear(t->tally_index);
-    failed = PyList_SetSlice(t->tally_names, 0, PyList_GET_SIZE(t->tally_names), NULL) < 0;
-    for (size_t j = 0; !failed && t->live.slots != NULL && j <= t->live.mask; j++) {
+    if (PyList_SetSlice(t->tally_names, 0, PyList_GET_SIZE(t->tally_names), NULL) < 0)
+        return NULL;
+    for (size_t j = 0; j < table_size(&t->live); j++) {
         Entry *e = (Entry *)t->live.slots[j].object;
         if (e == NULL)
             continue;
-        storages_free(&e->held);
+        e->held.len = 0;
         e->tally = -1;
-        failed = mark(t, e) < 0;
+        mark_entry(t, e);
     }
-    if (!failed)
-        failed = catch_up_held(t) < 0;
-    settle_and_leave(t);
-    if (failed)
-        return NULL;
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(after_fork_doc, "after_fork()\n--\n\nIn a forked child: the catch-ups the parent's other threads had in "
+                             "progress never end there (what they were reading stays marked: it is read again).");
+
+static PyObject *tracker_after_fork(Tracker *t, PyObject *Py_UNUSED(ignored)) {
+    t->reading = 0;
+    t->served = t->requested;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(holds_doc, "holds(pointer)\n--\n\nWhether a tracked cache holds the storage at `pointer`.");
+
+static PyObject *tracker_holds(Tracker *t, PyObject *arg) {
+    void *pointer = PyLong_AsVoidPtr(arg);
+    if (pointer == NULL && PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(table_find(&t->held, (uintptr_t)pointer) != NULL);
+}
+
+PyDoc_STRVAR(failures_doc, "failures()\n--\n\n(count, last): failures since the last call, and the last one's "
+                           "description.");
+
+static PyObject *tracker_failures(Tracker *t, PyObject *Py_UNUSED(ignored)) {
+    PyObject *result = Py_BuildValue("(Ks)", t->failures, t->failure);
+    t->failures = 0;
+    return result;
 }
 
 static int by_creation(const void *a, const void *b) {
@@ -913,7 +1204,7 @@ static PyObject *tracker_entries(Tracker *t, PyObject *Py_UNUSED(ignored)) {
     Entry **found = PyMem_Malloc((size_t)(count ? count : 1) * sizeof(Entry *));
     if (found == NULL)
         return PyErr_NoMemory();
-    for (size_t j = 0; t->live.slots != NULL && j <= t->live.mask; j++)
+    for (size_t j = 0; j < table_size(&t->live); j++)
         if (t->live.slots[j].object != NULL)
             found[n++] = (Entry *)t->live.slots[j].object;
     qsort(found, (size_t)n, sizeof(Entry *), by_creation);
@@ -928,7 +1219,7 @@ PyDoc_STRVAR(set_sites_doc, "set_sites(sites)\n--\n\nThe model's map, id(code) -
                             "delegate's owner_of_shared(site, frame) names; None: the model is not known.");
 
 static PyObject *tracker_set_sites(Tracker *t, PyObject *sites) {
-    table_clear(&t->sites);
+    table_clear(&t->sites, 1);
     t->model_known = 0;
     if (sites == Py_None)
         Py_RETURN_NONE;
@@ -936,42 +1227,61 @@ static PyObject *tracker_set_sites(Tracker *t, PyObject *sites) {
         PyErr_SetString(PyExc_TypeError, "sites must be a dict or None");
         return NULL;
     }
+    if (table_reserve(&t->sites, (size_t)PyDict_GET_SIZE(sites)) < 0)
+        return PyErr_NoMemory();
     PyObject *key, *value;
     Py_ssize_t pos = 0;
     while (PyDict_Next(sites, &pos, &key, &value)) {
         void *code = PyLong_AsVoidPtr(key);
-        PyObject *replaced;
-        if ((code == NULL && PyErr_Occurred()) || objmap_put(&t->sites, (uintptr_t)code, value, &replaced) < 0) {
-            table_clear(&t->sites);
+        if (code == NULL) {
+            table_clear(&t->sites, 1);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "a site's key is 0");
             return NULL;
         }
-        Py_XDECREF(replaced);
+        Slot *slot = table_slot(&t->sites, (uintptr_t)code);
+        Py_XSETREF(slot->object, Py_NewRef(value));
     }
     t->model_known = 1;
     Py_RETURN_NONE;
 }
 
+static PyObject *tracker_sizes(Tracker *t, PyObject *Py_UNUSED(ignored)) {
+    return Py_BuildValue("{s:n,s:n,s:n,s:n}", "live", (Py_ssize_t)table_size(&t->live), "held",
+                         (Py_ssize_t)table_size(&t->held), "marked", t->marked.cap, "storages",
+                         (Py_ssize_t)t->held.used);
+}
+
 static PyMethodDef tracker_methods[] = {
     {"track", (PyCFunction)tracker_track, METH_O, track_doc},
     {"mark", (PyCFunction)tracker_mark, METH_O, mark_doc},
-    {"catch_up", (PyCFunction)tracker_catch_up, METH_NOARGS, catch_up_doc},
-    {"take_peaks", (PyCFunction)tracker_take_peaks, METH_NOARGS, take_peaks_doc},
+    {"catch_up", (PyCFunction)(void (*)(void))tracker_catch_up, METH_VARARGS | METH_KEYWORDS, catch_up_doc},
+    {"release", (PyCFunction)tracker_release, METH_O, release_doc},
+    {"request", (PyCFunction)tracker_request, METH_NOARGS, request_doc},
+    {"take", (PyCFunction)tracker_take, METH_NOARGS, take_doc},
+    {"audit", (PyCFunction)tracker_audit, METH_O, audit_doc},
     {"rebuild", (PyCFunction)tracker_rebuild, METH_NOARGS, rebuild_doc},
+    {"after_fork", (PyCFunction)tracker_after_fork, METH_NOARGS, after_fork_doc},
+    {"holds", (PyCFunction)tracker_holds, METH_O, holds_doc},
+    {"failures", (PyCFunction)tracker_failures, METH_NOARGS, failures_doc},
     {"entries", (PyCFunction)tracker_entries, METH_NOARGS, entries_doc},
     {"set_sites", (PyCFunction)tracker_set_sites, METH_O, set_sites_doc},
+    {"sizes", (PyCFunction)tracker_sizes, METH_NOARGS, "sizes()\n--\n\nThe tables' slots (tests, benchmarks)."},
     {NULL},
 };
 
 static PyMemberDef tracker_members[] = {
-    {"follows_peaks", T_BOOL, offsetof(Tracker, follows_peaks), 0, "updates and falls are counted (the peak)"},
+    {"follows_peaks", T_BOOL, offsetof(Tracker, follows_peaks), 0, "updates and falls are followed (the peak)"},
+    {"served", T_ULONGLONG, offsetof(Tracker, served), READONLY, "the last request a catch-up served"},
+    {"marks", T_ULONGLONG, offsetof(Tracker, marks), READONLY, "cache updates seen so far"},
     {NULL},
 };
 
 static int tracker_init(Tracker *t, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"delegate", "unattributed", "known_classes", "copying", NULL};
-    PyObject *delegate, *unattributed, *known, *copying;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OUO!O!:Tracker", names, &delegate, &unattributed, &PySet_Type,
-                                     &known, &PyTuple_Type, &copying))
+    static char *names[] = {"delegate", "unattributed", "known_classes", "unfollowed", "tensor_type", NULL};
+    PyObject *delegate, *unattributed, *known, *unfollowed, *tensor_type;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OUO!O!O:Tracker", names, &delegate, &unattributed, &PySet_Type,
+                                     &known, &PySet_Type, &unfollowed, &tensor_type))
         return -1;
     if (t->delegate != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a Tracker is initialised once");
@@ -980,61 +1290,58 @@ static int tracker_init(Tracker *t, PyObject *args, PyObject *kwds) {
     t->delegate = Py_NewRef(delegate);
     t->unattributed = Py_NewRef(unattributed);
     t->known_classes = Py_NewRef(known);
-    t->copying = Py_NewRef(copying);
-    t->on_release = PyCFunction_New(&released_def, (PyObject *)t);
+    t->unfollowed = Py_NewRef(unfollowed);
+    t->tensor_type = Py_NewRef(tensor_type);
     t->tally_names = PyList_New(0);
     t->tally_index = PyDict_New();
-    t->lock = PyThread_allocate_lock();
-    if (t->on_release == NULL || t->tally_names == NULL || t->tally_index == NULL)
-        return -1;
-    if (t->lock == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    return 0;
+    return t->tally_names == NULL || t->tally_index == NULL ? -1 : 0;
 }
 
 static int tracker_traverse(Tracker *t, visitproc visit, void *arg) {
     Py_VISIT(t->delegate);
     Py_VISIT(t->unattributed);
-    Py_VISIT(t->on_release);
     Py_VISIT(t->known_classes);
-    Py_VISIT(t->copying);
+    Py_VISIT(t->unfollowed);
+    Py_VISIT(t->tensor_type);
     Py_VISIT(t->tally_names);
     Py_VISIT(t->tally_index);
-    for (size_t j = 0; t->live.slots != NULL && j <= t->live.mask; j++)
+    for (size_t j = 0; j < table_size(&t->live); j++)
         Py_VISIT(t->live.slots[j].object);
-    for (size_t j = 0; t->sites.slots != NULL && j <= t->sites.mask; j++)
+    for (size_t j = 0; j < table_size(&t->sites); j++)
         Py_VISIT(t->sites.slots[j].object);
+    for (size_t j = 0; j < table_size(&t->types); j++)
+        Py_VISIT(t->types.slots[j].object);
     for (Py_ssize_t i = 0; i < t->marked.len; i++)
         Py_VISIT(t->marked.items[i]);
-    for (Py_ssize_t i = 0; i < t->deferred.len; i++)
-        Py_VISIT(t->deferred.items[i]);
+    for (Py_ssize_t i = 0; i < t->gone.len; i++)
+        Py_VISIT(t->gone.items[i]);
+    for (Py_ssize_t i = 0; i < t->gone_before.len; i++)
+        Py_VISIT(t->gone_before.items[i]);
     return 0;
 }
 
 static int tracker_clear(Tracker *t) {
     Py_CLEAR(t->delegate);
     Py_CLEAR(t->unattributed);
-    Py_CLEAR(t->on_release);
     Py_CLEAR(t->known_classes);
-    Py_CLEAR(t->copying);
+    Py_CLEAR(t->unfollowed);
+    Py_CLEAR(t->tensor_type);
     Py_CLEAR(t->tally_names);
     Py_CLEAR(t->tally_index);
-    table_clear(&t->live);
-    table_clear(&t->sites);
+    table_clear(&t->live, 1);
+    table_clear(&t->sites, 1);
+    table_clear(&t->types, 1);
     entrylist_release(&t->marked);
-    entrylist_release(&t->deferred);
+    entrylist_release(&t->gone);
+    entrylist_release(&t->gone_before);
     return 0;
 }
 
 static void tracker_dealloc(Tracker *t) {
     PyObject_GC_UnTrack(t);
     tracker_clear(t);
-    table_clear(&t->held);
+    table_clear(&t->held, 0);
     PyMem_Free(t->totals);
-    if (t->lock != NULL)
-        PyThread_free_lock(t->lock);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -1042,7 +1349,8 @@ static PyTypeObject TrackerType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kv_exporter.plugin.observe._tracker.Tracker",
     .tp_basicsize = sizeof(Tracker),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Tracker(delegate, unattributed, known_classes, copying): the live caches and their owners' accounts.",
+    .tp_doc = "Tracker(delegate, unattributed, known_classes, unfollowed, tensor_type): the live caches and "
+              "their owners' storage ledger.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)tracker_init,
     .tp_traverse = (traverseproc)tracker_traverse,
@@ -1059,18 +1367,18 @@ static int intern_all(void) {
         PyObject **slot;
         const char *text;
     } names[] = {
-        {&s_layers, "layers"},
-        {&s_keys, "keys"},
-        {&s_values, "values"},
+        {&s_attribute[A_LAYERS], "layers"},
+        {&s_attribute[A_KEYS], "keys"},
+        {&s_attribute[A_VALUES], "values"},
+        {&s_attribute[A_SELF_ATTENTION], "self_attention_cache"},
+        {&s_attribute[A_CROSS_ATTENTION], "cross_attention_cache"},
         {&s_untyped_storage, "untyped_storage"},
         {&s_nbytes, "nbytes"},
         {&s_data_ptr, "data_ptr"},
-        {&s_dict, "__dict__"},
         {&s_owner_of_shared, "owner_of_shared"},
         {&s_modules_on_stack, "modules_on_stack"},
-        {&s_charge, "charge"},
+        {&s_decide, "decide"},
         {&s_class_seen, "class_seen"},
-        {&s_failed, "failed"},
         {&s_settle, "settle"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
@@ -1085,12 +1393,11 @@ static int intern_all(void) {
 static struct PyModuleDef tracker_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "kv_exporter.plugin.observe._tracker",
-    .m_doc = "The live transformers caches of this process and their owners' storage accounts (the per-step part).",
+    .m_doc = "The live transformers caches of this process and their owners' storage ledger (the per-step part).",
     .m_size = -1,
 };
 
 PyMODINIT_FUNC PyInit__tracker(void) {
-    EntryType.tp_base = &_PyWeakref_RefType;
     if (intern_all() < 0 || PyType_Ready(&EntryType) < 0 || PyType_Ready(&TrackerType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&tracker_module);

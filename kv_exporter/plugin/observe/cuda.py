@@ -10,11 +10,11 @@ other tools read it too. So the most allocated since the previous sample is boun
 from __future__ import annotations
 
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 from kv_exporter.observation import CudaMemory, CudaUnavailable, CudaWarm
+from kv_exporter.plugin.forksafe import ForkSafeLock
 from kv_exporter.plugin.oncelog import warn_once
 
 ALLOCATED = "allocated_bytes.all.current"
@@ -42,7 +42,7 @@ class CudaAllocator:
         self.device_kind: str | None = None  # "cuda", "cpu", "unknown" (identity.visible_device); None: not attached
         self.warm: CudaWarm | None = None
         self._previous: _Reading | None = None
-        self._lock = threading.Lock()  # the sampler's thread and the worker's (a publish) both read
+        self._lock = ForkSafeLock()  # the sampler's thread and the worker's (a publish) both read
 
     def attach(self, device: object) -> None:
         from kv_exporter.plugin.identity import visible_device  # only a process that loads a model gets here

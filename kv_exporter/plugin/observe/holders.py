@@ -34,6 +34,7 @@ from types import BuiltinFunctionType, FunctionType, MethodType, ModuleType
 from typing import Any
 
 from kv_exporter.observation import UNATTRIBUTED_OWNER
+from kv_exporter.plugin.forksafe import ForkSafeLock
 from kv_exporter.plugin.observe.owners import Geometry, ModelMap
 from kv_exporter.plugin.oncelog import warn_once
 
@@ -103,9 +104,9 @@ class Holders:
     active: Holders | None = None  # where the patched methods report (the process's observer's; tests replace it)
 
     def __init__(self) -> None:
-        # The stored tensors: added in the model's thread, released in any. Reentrant: a collection while it is
-        # held can release a stored tensor in the same thread.
-        self._lock = threading.RLock()
+        # The stored tensors: added in the model's thread, released in any. Held only around plain data updates;
+        # reentrant, as a collection while it is held can release a stored tensor in the same thread.
+        self._lock = ForkSafeLock(threading.RLock)
         self._stored: dict[int, _Stored] = {}  # id(tensor) -> its record, while it lives
         self._now: dict[str, int] = {}  # owner -> bytes its stored tensors hold (rule 2)
         self._peak: dict[str, int] = {}  # owner -> the most they held since the last take_peaks
@@ -166,15 +167,15 @@ class Holders:
             tensor = getattr(instance, attribute, None)
             if torch is None or not isinstance(tensor, torch.Tensor):
                 continue
+            record = self._stored.get(id(tensor))
+            if record is not None and record.ref() is tensor:
+                continue
+            geometry = known.geometry(instance, tensor)  # Python of the class's own: never under the lock
+            nbytes = int(tensor.untyped_storage().nbytes())
+            key = id(tensor)
+            ref = weakref.ref(tensor, lambda _, key=key: self._released(key))  # type: ignore[misc]
             with self._lock:
-                record = self._stored.get(id(tensor))
-                if record is not None and record.ref() is tensor:
-                    continue
-                geometry = known.geometry(instance, tensor)
-                nbytes = int(tensor.untyped_storage().nbytes())
                 owner = self._owner_of(geometry)
-                key = id(tensor)
-                ref = weakref.ref(tensor, lambda _, key=key: self._released(key))  # type: ignore[misc]
                 self._stored[key] = _Stored(ref, geometry, nbytes, owner)
                 self._add(owner, nbytes)
 

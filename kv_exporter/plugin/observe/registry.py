@@ -2,32 +2,40 @@
 
 `install` gives transformers' `Cache` base class a `__new__`: every subclass goes through it, and so does
 `copy.deepcopy` (which creates the copy with `cls.__new__` and never runs `__init__`). It hands each new cache to the
-C tracker (`_tracker.Tracker`), which makes one weak reference per cache (an `Entry`, which also carries the owner),
-names its owner from the creating frames and drops it when the cache is released. Where the high-water mark is
-followed (KV_EXPORTER_OBSERVE_PEAK, peaks.py) the registry also wraps the methods that change what a cache's layers
-hold (`update` and `peaks.RESHAPING_METHODS`, on the base class and on each subclass that defines its own, as it is
-first seen): a cache update marks its cache, a reshaping method has the marked caches read first. Where it is not,
-nothing but the creation and the release is hooked.
+C tracker (`_tracker.Tracker`, the ledger), which makes one weak reference per cache (an `Entry`, which also carries
+the owner), names its owner from the creating frames and drops it when the cache is released. It also gives every
+cache class a finalizer (`__del__`, wrapping a class's own): the instant a cache goes, while it is still whole, the
+tracker reads what it held last; nothing of the cache is ever kept alive for that.
+
+Where the high-water mark is followed (KV_EXPORTER_OBSERVE_PEAK, peaks.py) the registry also wraps the methods that
+change what a cache's layers hold (`update` and `peaks.RESHAPING_METHODS`, on the base class and on each subclass that
+defines its own, as it is first seen): a cache update marks its cache, a reshaping method has the marked caches read
+first. Where it is not, nothing but the creation and the release is hooked.
+
+A wrapper never changes what a call means: it takes `*args, **kwargs` and hands them on untouched, so the original
+accepts and rejects exactly what it would (same exception, same message). Only plain functions are wrapped (a
+`staticmethod`, `classmethod`, `functools.partial`, callable object or builtin binds differently, so a function in its
+place would change the call): a class holding one of those where a wrapper would go is not followed, and its caches are
+counted as such (`UnreadableReason.NOT_FOLLOWED`), costing that class only.
 
 The hooks on the step path are thin Python functions (dynamo traces them, and must be able to step over them while
 it compiles) that call the tracker. Everything the tracker cannot decide fast it asks the registry, its `delegate`:
 a frame's `self` where several modules share one method, the modules on a stack before the model is known, a
-declaring ancestor's geometry at a cache's first storage, a class first seen, a failure to report.
+declaring ancestor's geometry at a cache's first storage, a class first seen.
 """
 
 from __future__ import annotations
 
-import copyreg
 import functools
-import inspect
 import sys
+import time
 from collections.abc import Callable, Collection, Mapping
-from types import FrameType
+from types import FrameType, FunctionType
 from typing import Any
 
-from kv_exporter.observation import UNATTRIBUTED_OWNER
+from kv_exporter.observation import UNATTRIBUTED_OWNER, UnreadableReason
 from kv_exporter.plugin.observe.owners import Attribution, Geometry, ModelMap, ModuleRef, Shape, Site, StackModules
-from kv_exporter.plugin.observe.peaks import GROWING_LAYERS, RESHAPING_METHODS, UPDATE_METHOD, first_tensor
+from kv_exporter.plugin.observe.peaks import GROWING_LAYERS, RESHAPING_METHODS, UPDATE_METHOD
 from kv_exporter.plugin.oncelog import warn_once
 
 try:
@@ -38,12 +46,31 @@ except ImportError as exc:  # built without a C compiler: observation says so, t
 else:
     _NOT_BUILT = ""
 
-__all__ = ["PATCHED_MARK", "Entry", "Registry"]
+__all__ = ["PATCHED_MARK", "Entry", "Figures", "Registry"]
 
 PATCHED_MARK = "__kv_exporter_observe__"
-# What `copy.copy`, `copy.deepcopy` and `pickle` create an instance through (its `__new__`'s caller).
-_COPYING = tuple(getattr(copyreg, name).__code__ for name in ("__newobj__", "__newobj_ex__"))
+FINALIZER = "__del__"
 LAYER_BASE = "CacheLayerMixin"  # the cache module's layer base class (transformers 4.56 and later)
+# The tracker's reason codes, from 1 (0: readable), in _tracker.c's order.
+REASON_CODES = (
+    UnreadableReason.NO_LAYERS,
+    UnreadableReason.LAYERS_RAISED,
+    UnreadableReason.NOT_A_TENSOR,
+    UnreadableReason.NO_STORAGE,
+    UnreadableReason.NOT_FOLLOWED,
+)
+# A sample asks the model's own thread to read the caches that changed, at its next cache update (no thread then
+# waits for the GIL for it). It waits while updates keep coming, at most SERVE_WAIT_S; once none came for
+# SERVE_QUIET_S the model is between steps or idle, and the sampler reads them itself.
+SERVE_WAIT_S = 0.25
+SERVE_QUIET_S = 0.006
+SERVE_POLL_S = 0.002
+# Caches re-read at each sample whether or not a hooked method announced a change (code assigning a layer's tensors
+# itself): round robin, so each is re-read within live caches / AUDIT_CACHES samples.
+AUDIT_CACHES = 16
+
+# owner -> (bytes, peak, caches), and (owner, reason) -> caches left out.
+Figures = tuple[dict[str, tuple[int, int, int]], dict[tuple[str, UnreadableReason], int]]
 
 
 class Registry:
@@ -51,33 +78,44 @@ class Registry:
         self.model: ModelMap | None = None
         self.installed_on: type | None = None
         self.unavailable = ""  # why the figures cannot be complete in this process ("" while they can)
+        self.tracker: Any = None  # made by `install`, when torch is there
         self._stack_modules: StackModules | None = None
-        self._wrapped: set[type] = set()  # cache and layer classes seen (and their methods wrapped, where followed)
+        self._wrapped: set[type] = set()  # cache and layer classes seen (and their methods wrapped)
+        self._unfollowed: set[type] = set()  # cache classes whose changes cannot be followed
+        self._exotic: set[type] = set()  # classes defining a hooked method that is no plain function
         self._growing: tuple[type, ...] = ()  # the cache module's GROWING_LAYERS
         self._layer_base: type | None = None
-        self.tracker = None if Tracker is None else Tracker(self, UNATTRIBUTED_OWNER, self._wrapped, _COPYING)
+        self._follows = False
 
     @property
     def follows_peaks(self) -> bool:
-        """Whether the high-water mark is followed (set by `install`, kept by the tracker)."""
-        return self.tracker is not None and self.tracker.follows_peaks
+        """Whether the high-water mark is followed (set by `install`)."""
+        return self.tracker is not None and self._follows
 
     def entries(self) -> list[Entry]:
         """A snapshot of the live entries, in creation order."""
         return [] if self.tracker is None else self.tracker.entries()
 
-    def take_peaks(self) -> dict[str, int]:
-        """owner -> the most it held since the last call (reading a cache settles which owner it is)."""
-        return {} if self.tracker is None else self.tracker.take_peaks()
+    def holds(self, pointer: int) -> bool:
+        """Whether a live cache holds the storage at `pointer` (other forms count it once, with the caches)."""
+        return self.tracker is not None and self.tracker.holds(pointer)
 
-    def settle_candidates(self) -> None:
-        """Where the high-water mark is not followed (its reads settle them): decide each cache still waiting for its
-        first K/V tensor by that tensor, before a sample charges it."""
-        for entry in self.entries():
-            if entry.candidate is not None and entry.owner is not None:
-                tensor = first_tensor(entry.state, None)
-                if tensor is not None:
-                    self._decide(entry, tensor)
+    def sample(self, pause: Callable[[], None], slice_s: float) -> Figures:
+        """Every owner's figures now, and the most since the last sample (then the next interval starts)."""
+        tracker = self.tracker
+        if tracker is None:
+            return {}, {}
+        if self.follows_peaks:
+            tracker.audit(AUDIT_CACHES)
+            _served(tracker, tracker.request())
+        else:
+            tracker.audit(-1)  # only creations and releases are hooked: every cache is read now
+        tracker.catch_up(pause, slice_s)  # what no model thread read: the model is idle, or nothing is followed
+        count, last = tracker.failures()
+        if count:
+            warn_once("observe:tracker", "kv-exporter: the cache tracker failed %d time(s), last: %s", count, last)
+        owners, unreadable = tracker.take()
+        return owners, {(owner, REASON_CODES[code - 1]): n for (owner, code), n in unreadable.items()}
 
     def mark_unavailable(self, key: str, reason: str) -> None:
         warn_once(f"observe:{key}", "kv-exporter: cache observation unavailable: %s", reason)
@@ -101,23 +139,21 @@ class Registry:
             warn_once("observe:stack", "kv-exporter: cannot read a cache's creating stack (%s)", repr(exc))
             return ()
 
-    def charge(self, entry: Entry, pointer: int) -> str:
-        """A cache's first storage, at `pointer`, settles its candidate: the owner its storage is charged to."""
-        self._decide(entry, first_tensor(entry.state, pointer))
-        return UNATTRIBUTED_OWNER if entry.owner is None else entry.owner
+    def decide(self, entry: Entry, cache: object, tensor: Any) -> None:
+        """A cache's first K/V `tensor` settles its candidate: the declaring ancestor if the shape is declared."""
+        candidate, entry.candidate = entry.candidate, None
+        model, shape = self.model, _shape(cache, tensor)
+        if candidate is not None and shape is not None and model is not None and model.declares(candidate, shape):
+            entry.owner = candidate
 
     def class_seen(self, cls: type) -> None:
-        """A cache or layer class first met (defined after the install): its methods are followed from now on."""
-        self._wrap(cls)
-        self._wrapped.add(cls)
+        """A cache or layer class first met (defined after the install): hooked from now on."""
+        self._hook(cls)
 
     def settle(self, entry: Entry) -> None:
         """A cache registered while `attach` ran: named now."""
         if self.model is not None:
             self._settle(entry, self.model)
-
-    def failed(self, where: str, exc: BaseException) -> None:
-        warn_once(f"observe:{where}", "kv-exporter: the high-water mark cannot follow a cache (%s)", repr(exc))
 
     def track_failed(self, cache: object, exc: Exception) -> None:
         name = type(cache).__qualname__
@@ -125,13 +161,6 @@ class Registry:
             self.mark_unavailable(f"weakref:{name}", f"{name} cannot be weakly referenced, so its caches go uncounted")
         else:
             self.mark_unavailable("track", f"tracking a {name} failed ({exc!r})")
-
-    def _decide(self, entry: Entry, tensor: Any) -> None:
-        """Charge `entry` to its candidate (the declaring ancestor) if `tensor`, its first, has a declared shape."""
-        candidate, entry.candidate = entry.candidate, None
-        model, shape = self.model, _shape(entry.state, tensor)
-        if candidate is not None and shape is not None and model is not None and model.declares(candidate, shape):
-            entry.owner = candidate
 
     @staticmethod
     def _settle(entry: Entry, model: ModelMap) -> None:
@@ -153,8 +182,7 @@ class Registry:
         for entry in self.entries():
             if entry.owner is None:
                 self._settle(entry, self.model)
-        if self.follows_peaks:
-            self.tracker.rebuild()
+        self.tracker.rebuild()
 
     def _model_released(self, root: ModuleRef) -> None:
         if self.model is not None and self.model.root is root:
@@ -167,45 +195,46 @@ class Registry:
     def install(self, cache_base: type, module_type: type[Any], follow_peaks: bool) -> bool:
         """Track every instance of `cache_base` and its subclasses from now on, and (`follow_peaks`) what their
         layers hold as it changes; False when that cannot work."""
-        tracker = self.tracker
-        if tracker is None:
+        if Tracker is None:
             self.mark_unavailable("not-built", _NOT_BUILT)
             return False
         if cache_base.__weakrefoffset__ == 0:
             name = cache_base.__qualname__
             self.mark_unavailable(f"weakref:{name}", f"{name} cannot be weakly referenced; nothing is tracked")
             return False
+        torch: Any = sys.modules["torch"]
+        self.tracker = Tracker(self, UNATTRIBUTED_OWNER, self._wrapped, self._unfollowed, torch.Tensor)
+        self.tracker.follows_peaks = self._follows = follow_peaks
         self._stack_modules = StackModules(module_type)
         own_new = cache_base.__dict__.get("__new__")
         if not hasattr(getattr(own_new, "__func__", own_new), PATCHED_MARK):
             cache_base.__new__ = staticmethod(_tracking_new(cache_base, own_new))  # type: ignore[method-assign]
-        tracker.follows_peaks = follow_peaks
         _Hooks.registry = self
-        _Hooks.track = tracker.track
-        _Hooks.mark = tracker.mark if follow_peaks else None
-        _Hooks.catch_up = tracker.catch_up if follow_peaks else None
+        _Hooks.track = self.tracker.track
+        _Hooks.release = self.tracker.release
+        _Hooks.mark = self.tracker.mark if follow_peaks else None
+        _Hooks.catch_up = self.tracker.catch_up if follow_peaks else None
         _Hooks.is_compiling = staticmethod(_compiling_test())
         self.installed_on = cache_base
-        if not follow_peaks:
-            return True
         module = sys.modules.get(cache_base.__module__)
         growing = (getattr(module, name, None) for name in GROWING_LAYERS)
         self._growing = tuple(cls for cls in growing if isinstance(cls, type))
         layer_base = getattr(module, LAYER_BASE, None)
-        self._layer_base = layer_base if isinstance(layer_base, type) else None
-        for base in (cache_base, self._layer_base) if self._layer_base is not None else (cache_base,):
-            pending = [base]
-            while pending:  # the classes defined by now; later cache classes as their first instance is tracked
+        self._layer_base = layer_base if isinstance(layer_base, type) and follow_peaks else None
+        for base in (cache_base, self._layer_base):
+            pending = [base] if base is not None else []
+            while pending:  # the classes defined by now; later ones as their first instance is tracked
                 cls = pending.pop()
-                self._wrap(cls)
+                self._hook(cls)
                 pending.extend(cls.__subclasses__())
         return True
 
-    def _wrap(self, cls: type) -> None:
-        """Report `cls`'s own methods that change what it holds (and its bases') to the tracker: a cache class's
-        update marks it, its reshaping methods and a non-growing layer class's update catch up before they run."""
+    def _hook(self, cls: type) -> None:
+        """Hook `cls` and its bases: every cache class's finalizer; where followed, a cache class's `update` marks
+        it, its reshaping methods and a non-growing layer class's `update` catch up before they run. A cache class
+        holding a hooked method that is no plain function is not followed."""
         cache_base = self.installed_on
-        if cache_base is None or not self.follows_peaks:
+        if cache_base is None:
             return
         is_cache = issubclass(cls, cache_base)
         base = cache_base if is_cache else self._layer_base
@@ -213,38 +242,78 @@ class Registry:
             if klass in self._wrapped or base is None or not issubclass(klass, base):
                 continue
             self._wrapped.add(klass)
-            for name in (UPDATE_METHOD, *RESHAPING_METHODS) if is_cache else (UPDATE_METHOD,):
+            for name in self._hooked_names(is_cache):
                 method = vars(klass).get(name)
-                if not callable(method) or hasattr(method, PATCHED_MARK) or klass in self._growing:
+                growing = name == UPDATE_METHOD and klass in self._growing
+                if method is None or hasattr(method, PATCHED_MARK) or growing:
                     continue
-                if is_cache:
-                    hook = _marking(method) if name == UPDATE_METHOD else _falling(method, marks=True)
-                else:
-                    hook = _falling(method, marks=False)
-                setattr(klass, name, hook)
+                if not isinstance(method, FunctionType):
+                    self._exotic.add(klass)
+                    continue
+                setattr(klass, name, self._wrapper(name, method, is_cache))
+            if klass is cache_base and FINALIZER not in vars(klass):
+                setattr(klass, FINALIZER, _finalizing(None))
+        self._wrapped.add(cls)
+        if is_cache and any(klass in self._exotic for klass in cls.__mro__):
+            self._unfollowed.add(cls)
+            warn_once(
+                f"observe:unfollowed:{cls.__qualname__}",
+                "kv-exporter: %s's methods cannot be followed (one is not a plain function); its caches are counted "
+                "as not followed",
+                cls.__qualname__,
+            )
+
+    def _hooked_names(self, is_cache: bool) -> tuple[str, ...]:
+        if not self._follows:
+            return (FINALIZER,) if is_cache else ()
+        return (UPDATE_METHOD, *RESHAPING_METHODS, FINALIZER) if is_cache else (UPDATE_METHOD,)
+
+    @staticmethod
+    def _wrapper(name: str, method: FunctionType, is_cache: bool) -> Callable[..., Any]:
+        if name == FINALIZER:
+            return _finalizing(method)
+        if not is_cache:
+            return _falling(method, marks=False)
+        return _marking(method) if name == UPDATE_METHOD else _falling(method, marks=True)
 
     def detach(self) -> None:
-        """Stop tracking into this registry (tests, benchmarks). The content hooks go; the `__new__` stays (tracking
-        nowhere): CPython cannot give a class back the `object.__new__` it inherited once it has had its own (deleting
-        it leaves a slot that refuses arguments)."""
+        """Stop tracking into this registry (tests, benchmarks). The content hooks go; the `__new__` and the base
+        class's finalizer stay (tracking nowhere): CPython cannot give a class back the `object.__new__` it
+        inherited once it has had its own (deleting it leaves a slot that refuses arguments)."""
         self.installed_on = None
         if _Hooks.registry is self:
-            _Hooks.registry = _Hooks.track = _Hooks.mark = _Hooks.catch_up = None
+            _Hooks.registry = _Hooks.track = _Hooks.release = _Hooks.mark = _Hooks.catch_up = None
             for klass in self._wrapped:
                 for name, method in list(vars(klass).items()):
                     original = getattr(method, PATCHED_MARK, None)
-                    if name in (UPDATE_METHOD, *RESHAPING_METHODS) and original is not None:
+                    if name in (UPDATE_METHOD, *RESHAPING_METHODS, FINALIZER) and original is not None:
                         setattr(klass, name, original)
         self._wrapped.clear()
+        self._unfollowed.clear()
+
+
+def _served(tracker: Any, asked: int) -> bool:
+    """Waits until a model thread has served request `asked`, while cache updates keep coming; whether it was."""
+    deadline = time.monotonic() + SERVE_WAIT_S
+    marks, quiet_since = tracker.marks, time.monotonic()
+    while tracker.served < asked:
+        now = time.monotonic()
+        if now >= deadline or now - quiet_since >= SERVE_QUIET_S:
+            return False
+        time.sleep(SERVE_POLL_S)
+        if tracker.marks != marks:
+            marks, quiet_since = tracker.marks, time.monotonic()
+    return True
 
 
 class _Hooks:
-    """Where the hooks on the step path report: class state, not closure cells (dynamo wraps a traced function's
-    cells when it inlines it, and cannot wrap a tracker; state it never loads while tracing costs nothing). None:
-    not tracking (detached, or that part not followed)."""
+    """Where the hooks report: class state, not closure cells (dynamo wraps a traced function's cells when it inlines
+    it, and cannot wrap a tracker; state it never loads while tracing costs nothing). None: not tracking (detached,
+    or that part not followed)."""
 
     registry: Registry | None = None
     track: Callable[[object], None] | None = None
+    release: Callable[[object], None] | None = None
     mark: Callable[[object], None] | None = None
     catch_up: Callable[[], None] | None = None
     is_compiling: Callable[[], bool] = staticmethod(lambda: False)
@@ -277,73 +346,19 @@ def _tracking_new(cache_base: type[Any], own_new: Any) -> Any:
 
 
 def _marking(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A cache's `update`, then the cache marked: what it holds may have grown (read at the next fall or sample).
-    Steps aside while dynamo traces (as `__new__` does: what compiled code holds is seen at the next sample).
+    """A cache's `update`, then the cache marked: what it holds may have grown (read at the next catch-up). Steps
+    aside while dynamo traces (as `__new__` does: what compiled code holds is seen at the next sample)."""
 
-    It runs on every cache update, so it takes `method`'s own parameters and calls it without packing them where it
-    can (`_forwarding`): a `*args, **kwargs` wrapper cost ~50% more per call (docs/benchmarks.md, section 9)."""
-    body = """
+    @functools.wraps(method)
+    def update(*args: Any, **kwargs: Any) -> Any:
+        result = method(*args, **kwargs)
         mark = _Hooks.mark
-        if mark is not None and not _Hooks.is_compiling():
-            mark(self)
-        return result"""
-    marking = _forwarding(method, body, {"_Hooks": _Hooks})
-    setattr(marking, PATCHED_MARK, method)
-    return marking
+        if mark is not None and args and not _Hooks.is_compiling():
+            mark(args[0])
+        return result
 
-
-def _forwarding(method: Callable[..., Any], body: str, names: dict[str, Any]) -> Callable[..., Any]:
-    """A function with `method`'s parameters (and defaults) that sets `result` to `method` called with them, then
-    runs `body`; its first parameter is named `self` there. Where `method`'s signature cannot be read, or its first
-    parameter is not positional, a `*args, **kwargs` one."""
-    try:
-        parameters = list(inspect.signature(method).parameters.values())
-    except (TypeError, ValueError):
-        parameters = []
-    first = parameters[0] if parameters else None
-    taken = {*names, "result"} | {name for name in body.split() if name.isidentifier()}
-    if (
-        first is None
-        or first.kind not in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD)
-        or any(p.name in taken or p.name.startswith("_kvx_") for p in parameters[1:])
-    ):
-        parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]
-        parameters += [inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)]
-        parameters += [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
-    namespace: dict[str, Any] = {**names, "_kvx_method": method}
-    declared, passed, spread = [], [], []
-    for index, parameter in enumerate(parameters):
-        name = "self" if index == 0 else parameter.name
-        if parameter.default is not parameter.empty:
-            namespace[f"_kvx_default_{index}"] = parameter.default
-        default = "" if parameter.default is parameter.empty else f"=_kvx_default_{index}"
-        if parameter.kind is parameter.VAR_POSITIONAL:
-            declared.append(f"*{name}")
-            spread.append(f"*{name}")
-        elif parameter.kind is parameter.VAR_KEYWORD:
-            declared.append(f"**{name}")
-            spread.append(f"**{name}")
-        elif parameter.kind is parameter.KEYWORD_ONLY:
-            if not any(text.startswith("*") for text in declared):
-                declared.append("*")
-            declared.append(name + default)
-            passed.append(f"{name}={name}")
-        else:
-            declared.append(name + default)
-            passed.append(name)
-        if parameter.kind is parameter.POSITIONAL_ONLY and (
-            index + 1 == len(parameters) or parameters[index + 1].kind is not parameter.POSITIONAL_ONLY
-        ):
-            declared.append("/")
-    packed = [name.lstrip("*") for name in spread]
-    call = f"_kvx_method({', '.join(passed + spread)})"
-    plain = f"_kvx_method({', '.join(passed)})"
-    # Empty `*args` and `**kwargs` (the usual case) are not spread again: a plain call is cheaper.
-    result = f"{call} if {' or '.join(packed)} else {plain}" if packed else call
-    source = f"def {method.__name__}({', '.join(declared)}):\n        result = {result}{body}\n"
-    exec(compile(source, f"<kv-exporter wrapper of {method.__qualname__}>", "exec"), namespace)
-    function: Callable[..., Any] = functools.wraps(method)(namespace[method.__name__])
-    return function
+    setattr(update, PATCHED_MARK, method)
+    return update
 
 
 def _falling(method: Callable[..., Any], marks: bool) -> Callable[..., Any]:
@@ -351,25 +366,42 @@ def _falling(method: Callable[..., Any], marks: bool) -> Callable[..., Any]:
     so the instant before it is counted; a cache's own method then marks it (its new contents are read lazily)."""
 
     @functools.wraps(method)
-    def falling(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def falling(*args: Any, **kwargs: Any) -> Any:
         catch_up, mark = _Hooks.catch_up, _Hooks.mark
         if catch_up is None or mark is None or _Hooks.is_compiling():
-            return method(self, *args, **kwargs)
-        catch_up()  # never raises: the tracker reports its failures
-        result = method(self, *args, **kwargs)
-        if marks:
-            mark(self)
+            return method(*args, **kwargs)
+        catch_up()  # never raises: the tracker counts its failures
+        result = method(*args, **kwargs)
+        if marks and args:
+            mark(args[0])
         return result
 
     setattr(falling, PATCHED_MARK, method)
     return falling
 
 
-def _shape(state: dict[str, Any] | None, tensor: Any) -> Shape | None:
+def _finalizing(method: Callable[..., Any] | None) -> Callable[..., Any]:
+    """A cache class's finalizer: the tracker reads what the cache held last and lets it go, then the class's own
+    `__del__` (if it has one) runs as it would have."""
+
+    def __del__(*args: Any, **kwargs: Any) -> Any:
+        release = _Hooks.release
+        if release is not None and args:
+            release(args[0])  # never raises
+        return None if method is None else method(*args, **kwargs)
+
+    if method is not None:
+        functools.update_wrapper(__del__, method)
+    setattr(__del__, PATCHED_MARK, method)
+    return __del__
+
+
+def _shape(cache: object, tensor: Any) -> Shape | None:
     """A cache's shape from its layer list and a K or V tensor shaped [batch, heads, positions, head size]."""
-    layers = None if state is None else state.get("layers")
+    state = vars(cache)  # as the tracker reads a cache: its instance dictionary, no property of its class
+    layers = state.get("layers")
     shape: tuple[int, ...] = tuple(getattr(tensor, "shape", ()))
-    if state is None or len(shape) != 4 or not isinstance(layers, list):
+    if len(shape) != 4 or not isinstance(layers, list):
         return None
     dtype = str(tensor.dtype).removeprefix("torch.")
     growing = state.get("layer_class_to_replicate") is not None

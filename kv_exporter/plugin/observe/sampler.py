@@ -1,9 +1,11 @@
-"""One sample of every live cache, taken in short slices, and the thread that takes one every interval.
+"""What one sample measures beyond the tracker's ledger, and the thread that takes a sample every interval.
 
-A sample reads metadata only (`untyped_storage().nbytes()`, `data_ptr()`, the device): no `.item()`, no copy,
-no device synchronisation. It walks the caches in slices of about `SLICE_S` of work and sleeps `PAUSE_S` between
-two, so another thread (the model's forward, vLLM's busy loop) never waits for the GIL much longer than a slice.
-Between slices it holds no cache: a cache released meanwhile is simply not counted.
+The transformers caches' figures come from the tracker's ledger (registry.py, `_tracker.c`): a sample reads only the
+caches that changed since they were last read, in slices of about `SLICE_S` of work with a `PAUSE_S` pause between
+two, so another thread (the model's forward, vLLM's busy loop) never waits for the GIL much longer than a slice. The
+other forms model-local KV takes (holders.py) are walked here, in the same slices, each storage counted once with the
+caches'. Reading is metadata only (`untyped_storage().nbytes()`, `data_ptr()`): no `.item()`, no copy, no device
+synchronisation; no cache or tensor is held across a pause.
 """
 
 from __future__ import annotations
@@ -14,21 +16,12 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kv_exporter.cachebytes import (
-    NotACache,
-    NotATensor,
-    SeenStorages,
-    StorageUnavailable,
-    held_bytes,
-    inner_caches,
-    new_storage_bytes,
-)
-from kv_exporter.observation import UNATTRIBUTED_OWNER, Observation, UnreadableReason
+from kv_exporter.cachebytes import SeenStorages, StorageUnavailable, new_storage_bytes, storage_pointer
+from kv_exporter.observation import Observation, UnreadableReason
 from kv_exporter.plugin.observe.holders import Holders
-from kv_exporter.plugin.observe.registry import Entry
 from kv_exporter.plugin.oncelog import warn_once
 
 SLICE_S = 0.0004  # work done between two pauses (a probe thread then waits ~0.1 ms more to wake)
@@ -55,9 +48,9 @@ class Pacer:
 
 @dataclass
 class Totals:
-    """One sample's figures: owner -> (storage bytes, cache objects), and (owner, reason) -> caches left out; of the
-    bytes, those in other forms than transformers caches (holders.py): in a declaring owner's state, and stored by
-    known cache classes."""
+    """What the other forms hold at the sample, per owner: storage bytes and holding objects (an owner's state is
+    one, however many tensors it holds; a known class's stored tensor one each), of the bytes those in a declaring
+    owner's state and those stored by known cache classes, and the tensors left out by reason."""
 
     held: dict[str, tuple[int, int]] = field(default_factory=dict)
     unreadable: Counter[tuple[str, UnreadableReason]] = field(default_factory=Counter)
@@ -65,78 +58,31 @@ class Totals:
     stored: Counter[str] = field(default_factory=Counter)
 
     def add(self, owner: str, nbytes: int, objects: int) -> None:
-        held, caches = self.held.get(owner, (0, 0))
-        self.held[owner] = (held + nbytes, caches + objects)
+        held, count = self.held.get(owner, (0, 0))
+        self.held[owner] = (held + nbytes, count + objects)
 
 
-def measure(entries: Sequence[Entry], pace: Callable[[], None], holders: Holders | None = None) -> Totals:
-    """The figures over the live `entries` and what `holders` finds, each storage counted once over all.
-
-    An EncoderDecoderCache counts as one cache holding both halves; its halves are not counted again on their own.
-    A cache that cannot be read costs only itself: it is left out of its owner's figures and counted by reason (a
-    storage it shares with a readable cache is still counted there). A known class's stored tensor counts as one
-    cache; an owner's state as one, however many tensors it holds.
-    """
-    halves: set[int] = set()
-    for entry in entries:
-        halves.update(_halves(entry))
-        pace()
+def measure_holders(holders: Holders, held_by_caches: Callable[[int], bool], pace: Callable[[], None]) -> Totals:
+    """The other forms' figures: each storage once among them, and none a tracked cache holds (`held_by_caches`,
+    by data pointer), which the caches' figures count."""
     seen = SeenStorages()
     totals = Totals()
-    for entry in entries:
-        cache = entry()
-        if cache is not None and id(cache) not in halves:
-            owner = UNATTRIBUTED_OWNER if entry.owner is None else entry.owner
-            nbytes, reason = _held(cache, seen)
-            if reason is None:
-                totals.add(owner, nbytes, 1)
-            else:
-                totals.unreadable[owner, reason] += 1
-        del cache  # held only while it is read: a reference kept across a pause would delay a release
-        pace()
-    if holders is not None:
-        _measure_holders(holders, seen, totals, pace)
-    seen.clear(pace)  # freeing 56,000 keys (1,000 caches of 28 layers) at once would take ~1.5 ms
-    return totals
-
-
-def _measure_holders(holders: Holders, seen: SeenStorages, totals: Totals, pace: Callable[[], None]) -> None:
     states: set[str] = set()
     for owner, tensor, stored in holders.tensors(pace):
         try:
-            nbytes = new_storage_bytes(tensor, seen)
+            nbytes = 0 if held_by_caches(storage_pointer(tensor)) else new_storage_bytes(tensor, seen)
         except StorageUnavailable:
             totals.unreadable[owner, UnreadableReason.NO_STORAGE] += 1
             continue
-        objects = 1 if stored or owner not in states else 0  # an owner's state is one holder
+        objects = 1 if stored or owner not in states else 0
         if not stored:
             states.add(owner)
         totals.add(owner, nbytes, objects)
         (totals.stored if stored else totals.in_state)[owner] += nbytes
         del tensor
         pace()
-
-
-def _halves(entry: Entry) -> list[int]:
-    cache = entry()
-    try:
-        return [] if cache is None else [id(half) for half in inner_caches(cache)]
-    except Exception:  # its layers cannot be read: `_held` says why
-        return []
-
-
-def _held(cache: object, seen: SeenStorages) -> tuple[int, UnreadableReason | None]:
-    """The cache's bytes not in `seen` yet, or why it cannot be read (then nothing of it is added to `seen`)."""
-    try:
-        return held_bytes(cache, seen), None
-    except StorageUnavailable:
-        return 0, UnreadableReason.NO_STORAGE
-    except NotACache:
-        return 0, UnreadableReason.NO_LAYERS
-    except NotATensor:
-        return 0, UnreadableReason.NOT_A_TENSOR
-    except Exception:
-        return 0, UnreadableReason.LAYERS_RAISED
+    seen.clear(pace)
+    return totals
 
 
 class Sampler:

@@ -75,7 +75,7 @@ class StepArms:
     pair's ratio leaves most of this shared machine's drift out; a switch happens before a step, outside its timing,
     and costs both arms alike."""
 
-    HOOKS = ("track", "mark", "catch_up")
+    HOOKS = ("track", "release", "mark", "catch_up")
 
     def __init__(self, installed: registry.Registry, control: bool = False) -> None:
         self._control = control  # both arms on: what the arms differ by when nothing tells them apart
