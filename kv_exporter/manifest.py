@@ -45,7 +45,7 @@ from kv_exporter.document import (
 )
 from kv_exporter.dtypes import ITEMSIZE, dtype_itemsize, dtype_name, dtype_problem
 from kv_exporter.filestat import NotARegularFile, read_regular_file
-from kv_exporter.observation import Observation
+from kv_exporter.observation import Observation, read_allocator, read_observation
 from kv_exporter.printable import printable
 from kv_exporter.procfs import current_pid_namespace, process_start_ticks
 from kv_exporter.protocol import ModelLocalKVScope, RowDriver, kv_row_bytes
@@ -269,8 +269,10 @@ class Manifest:
     observation: Annotated[
         Observation | None, Since(2), Doc("what the worker's live caches held at its last sample; null: not observed")
     ] = None
-    # Filled in by the reader, not part of the document: why `observation` is None although the file had one.
+    # Filled in by the reader, not part of the document: why `observation` is None although the file had one, and
+    # why its allocator figures (`observation.cuda`) are although it had them.
     observation_problem: ObservationProblem | None = field(default=None, compare=False, metadata=NOT_IN_DOCUMENT)
+    allocator_problem: ObservationProblem | None = field(default=None, compare=False, metadata=NOT_IN_DOCUMENT)
 
     def declared_peak_bytes(self, max_num_seqs: int | None = None) -> int:
         """Sum of the declarations at `max_num_seqs` (the manifest's own by default)."""
@@ -410,18 +412,17 @@ def _manifest(document: object, limits: ManifestLimits) -> Manifest:
     if raw_observation is None:
         return manifest
     try:
-        return replace(manifest, observation=_observation(raw_observation, version))
+        observation = read_observation(raw_observation, version)
     except DocumentError as exc:
         return replace(manifest, observation_problem=ObservationProblem(exc.reason, exc.detail))
-
-
-def _observation(raw: object, version: int) -> Observation:
-    observation = decode(Observation, raw, "observation", version=version)
-    owners = [owner.owner for owner in observation.owners]
-    if len(set(owners)) != len(owners):
-        repeated = sorted({owner for owner in owners if owners.count(owner) > 1})
-        raise DocumentError("duplicate_owner", f"observation lists owner(s) {', '.join(map(repr, repeated))} twice")
-    return observation
+    # The allocator's figures are read on their own too: bad ones cost only them, never the owners' figures.
+    raw_cuda = raw_observation.get("cuda") if isinstance(raw_observation, dict) else None
+    if raw_cuda is None:
+        return replace(manifest, observation=observation)
+    try:
+        return replace(manifest, observation=replace(observation, cuda=read_allocator(raw_cuda, version)))
+    except DocumentError as exc:
+        return replace(manifest, observation=observation, allocator_problem=ObservationProblem(exc.reason, exc.detail))
 
 
 def _check_version(version: object) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, ClassVar
 
-from kv_exporter.document import Doc, DocumentError, Prose, Range, Since
+from kv_exporter.document import Doc, DocumentError, Prose, Range, Since, decode
 
 # Bounds no real worker reaches: a figure beyond them is a corrupt or hostile document, never exported.
 MAX_OBSERVED_BYTES = 1 << 50  # 1 PiB
@@ -93,6 +93,10 @@ class UnreadableCaches:
 
 Count = Annotated[int, Range(0)]
 
+# The schema version that added the allocator's peak, high-water bounds, retries, OOMs and warm-up figures.
+CUDA_DETAILS_SINCE = 4
+_DETAILED = Since(CUDA_DETAILS_SINCE)
+
 
 @dataclass(frozen=True)
 class CudaWarm:
@@ -118,22 +122,29 @@ class CudaMemory:
     allocated_bytes: Bytes
     reserved_bytes: Bytes
     peak_bytes: Annotated[
-        Bytes, Since(4), Doc("the most allocated since the allocator's peak was last reset (by vLLM, never by us)")
+        Bytes, _DETAILED, Doc("the most allocated since the allocator's peak was last reset (by vLLM, never by us)")
     ] = 0
-    high_water_bytes: Annotated[Bytes, Since(4), Doc("the most allocated since the previous sample, at most")] = 0
+    high_water_bytes: Annotated[Bytes, _DETAILED, Doc("the most allocated since the previous sample, at most")] = 0
     high_water_floor_bytes: Annotated[
-        Bytes, Since(4), Doc("the most allocated since the previous sample, at least")
+        Bytes, _DETAILED, Doc("the most allocated since the previous sample, at least")
     ] = 0
-    alloc_retries: Annotated[Count, Since(4), Doc("allocations that failed, freed the cache and were retried")] = 0
-    ooms: Annotated[Count, Since(4), Doc("allocations that failed for good: out of memory")] = 0
-    warm: Annotated[CudaWarm | None, Since(4), Doc("at the end of warm-up; null before it or where unseen")] = None
+    alloc_retries: Annotated[Count, _DETAILED, Doc("allocations that failed, freed the cache and were retried")] = 0
+    ooms: Annotated[Count, _DETAILED, Doc("allocations that failed for good: out of memory")] = 0
+    warm: Annotated[CudaWarm | None, _DETAILED, Doc("at the end of warm-up; null before it or where unseen")] = None
 
-    def __post_init__(self) -> None:
+    def contradiction(self, schema_version: int) -> str:
+        """What torch's allocator could never report together ("": nothing): more allocated than reserved, or, in a
+        document of `schema_version` that reports them (CUDA_DETAILS_SINCE on), than its peak, or a high-water below
+        its floor. The sidecar refuses such figures rather than export them."""
+        if self.reserved_bytes < self.allocated_bytes:
+            return f"reserved_bytes {self.reserved_bytes} < allocated_bytes {self.allocated_bytes}"
+        if schema_version < CUDA_DETAILS_SINCE:
+            return ""
+        if self.peak_bytes < self.allocated_bytes:
+            return f"peak_bytes {self.peak_bytes} < allocated_bytes {self.allocated_bytes}"
         if self.high_water_bytes < self.high_water_floor_bytes:
-            raise DocumentError(
-                "inconsistent",
-                f"high_water_bytes {self.high_water_bytes} < high_water_floor_bytes {self.high_water_floor_bytes}",
-            )
+            return f"high_water_bytes {self.high_water_bytes} < high_water_floor_bytes {self.high_water_floor_bytes}"
+        return ""
 
 
 @dataclass(frozen=True)
@@ -152,5 +163,26 @@ class Observation:
         Doc("whether the owners' peak_bytes were followed between samples (KV_EXPORTER_OBSERVE_PEAK); else bytes"),
     ] = False
     cuda_unavailable: Annotated[
-        CudaUnavailable | None, Since(4), Doc("why `cuda` is null; null when it is set (or observation is off)")
+        CudaUnavailable | None, _DETAILED, Doc("why `cuda` is null; null when it is set (or observation is off)")
     ] = None
+
+
+def read_observation(raw: object, version: int) -> Observation:
+    """An observation document of schema `version`, without its allocator figures (`read_allocator` reads those
+    apart: bad ones cost only them). Raises DocumentError."""
+    without_cuda = {**raw, "cuda": None} if isinstance(raw, dict) and raw.get("cuda") is not None else raw
+    observation = decode(Observation, without_cuda, "observation", version=version)
+    owners = [owner.owner for owner in observation.owners]
+    if len(set(owners)) != len(owners):
+        repeated = sorted({owner for owner in owners if owners.count(owner) > 1})
+        raise DocumentError("duplicate_owner", f"observation lists owner(s) {', '.join(map(repr, repeated))} twice")
+    return observation
+
+
+def read_allocator(raw: object, version: int) -> CudaMemory:
+    """An observation's allocator figures; DocumentError for ones torch's allocator could never give together."""
+    cuda = decode(CudaMemory, raw, "observation.cuda", version=version)
+    contradiction = cuda.contradiction(version)
+    if contradiction:
+        raise DocumentError("inconsistent", contradiction)
+    return cuda

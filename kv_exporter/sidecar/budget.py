@@ -24,8 +24,9 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from kv_exporter.manifest import Manifest, PodInfo
+from kv_exporter.observation import CUDA_DETAILS_SINCE
 from kv_exporter.sidecar.engine_page import EngineKey
-from kv_exporter.sidecar.observed import CUDA_DETAIL_SINCE, ObservedState
+from kv_exporter.sidecar.observed import ObservedState, cuda_unavailable_reason
 from kv_exporter.sidecar.records import ManifestEntry, engine_key
 
 # The per-declaration families (bytes per row, ceiling, estimate, positions, info), the per-owner ones (observed
@@ -139,10 +140,10 @@ def _cuda_cost(manifest: Manifest, engine: int, where: int) -> Cost:
     observation = manifest.observation
     cuda = None if observation is None else observation.cuda
     if cuda is None:
-        reason = None if observation is None else observation.cuda_unavailable
-        return Cost(0, 0) if reason is None else Cost(1, engine + len(reason.value))
+        reason = cuda_unavailable_reason(manifest)
+        return Cost(0, 0) if reason is None else Cost(1, engine + len(reason))
     series = _CUDA_SERIES
-    if manifest.schema_version >= CUDA_DETAIL_SINCE:
+    if manifest.schema_version >= CUDA_DETAILS_SINCE:
         series += _CUDA_DETAIL_SERIES + (_CUDA_WARM_SERIES if cuda.warm is not None else 0)
     return Cost(series, series * where)
 

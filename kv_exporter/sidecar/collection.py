@@ -32,7 +32,14 @@ from kv_exporter.sidecar.budget import DEFAULT_MAX_LABEL_BYTES, DEFAULT_MAX_SERI
 from kv_exporter.sidecar.declared import DeclaredCache
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
 from kv_exporter.sidecar.families import DeclarationFamilies, families
-from kv_exporter.sidecar.inputs import EnginePages, ManifestStore, ObservationAccount, assess, read_gpus
+from kv_exporter.sidecar.inputs import (
+    EnginePages,
+    ManifestStore,
+    ObservationAccount,
+    assess,
+    read_gpus,
+    running_limits,
+)
 from kv_exporter.sidecar.records import GpuResult
 from kv_exporter.sidecar.snapshot import Snapshot, build_snapshot
 
@@ -148,7 +155,7 @@ class Collection:
         # for the GIL (fetch threads did: 4.6 against 4.0 ms of CPU a scrape, docs/benchmarks.md).
         reads = self.pages.begin()
         entries = assess(self.store.load(), self.our_namespace, self.settings.proc, self.processes)
-        pages = self.pages.finish(reads)
+        pages = self.pages.finish(reads, running_limits(entries))
         gpu = read_gpus(self.gpu_reader, entries)
         self._account_gpu(gpu)
         now = time.time()

@@ -43,7 +43,9 @@ DEFAULT_MAX_PAGE_BYTES = 4 << 20  # a real vLLM 0.32 page is ~57 KB; vllm-omni's
 # Why a page could not be used: metric label values, exported at 0 per target before the first one.
 SCAN_ERROR_REASONS = ("no_running_series", "malformed", "bad_value", "missing_label", "bad_label", "duplicate_series")
 INTERNAL_ERROR = "internal_error"  # a bug in the reader, reported like a bad page
-PAGE_ERROR_REASONS = (*FETCH_ERROR_REASONS, *SCAN_ERROR_REASONS, INTERNAL_ERROR)
+# A running count above the engine's own max_num_seqs (its manifests'): impossible, so not used for that engine.
+ABOVE_MAX_NUM_SEQS = "running_above_max_num_seqs"
+PAGE_ERROR_REASONS = (*FETCH_ERROR_REASONS, *SCAN_ERROR_REASONS, INTERNAL_ERROR, ABOVE_MAX_NUM_SEQS)
 
 
 class EnginePageError(Exception):
@@ -87,6 +89,13 @@ class EnginePage:
         if pipeline is None and len(self.pipeline_running) == 1:
             (pipeline,) = self.pipeline_running.values()
         return 0 if pipeline == 0 else value
+
+    def above(self, limits: dict[EngineKey, int]) -> tuple[EngineKey, ...]:
+        """The engines whose running count passes their limit (their max_num_seqs): no engine runs more."""
+        return tuple(key for key in self.running if key in limits and (self.running_for(key) or 0) > limits[key])
+
+    def without(self, keys: tuple[EngineKey, ...]) -> EnginePage:
+        return EnginePage({k: v for k, v in self.running.items() if k not in keys}, self.pipeline_running)
 
 
 # Series read between looks at the clock: ~20 ms of scanning (~80 us a series here).

@@ -329,7 +329,8 @@ def _cuda_families(observed: Observed) -> list[Metric]:
     unavailable = GaugeRows(
         "model_local_kv_observed_cuda_unavailable",
         "Workers of the engine whose observation has no allocator figures, by reason: not_cuda (a CPU worker), "
-        "not_initialised, not_attached (model not loaded yet), no_index, stats_failed.",
+        "not_initialised, not_attached (model not loaded yet), no_index, stats_failed, refused (figures torch's "
+        "allocator could never give together, counted in model_local_kv_observation_errors_total).",
         (*ENGINE_LABELS, "reason"),
     )
     for missing in observed.cuda_unavailable:
@@ -366,8 +367,9 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
     )
     observation_errors = _counter(
         "model_local_kv_observation_errors",
-        "Observations refused and never exported as figures, by reason: unreadable ones once per file version, "
-        "stale ones once per sample, ones from a dead process once per file version.",
+        "Observations (or their allocator figures alone) refused and never exported as figures, by reason: "
+        "unreadable ones once per file version, stale ones once per sample, ones from a dead process once per file "
+        "version.",
         ("reason",),
         sorted(((reason,), count) for reason, count in snapshot.observation_errors_total.items()),
     )

@@ -12,6 +12,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 from kv_exporter import filestat
 from kv_exporter.filestat import FileSignature
@@ -30,10 +31,12 @@ from kv_exporter.observation import ObservationState
 from kv_exporter.printable import printable
 from kv_exporter.procfs import ProcessWatch
 from kv_exporter.sidecar.engine_page import (
+    ABOVE_MAX_NUM_SEQS,
     DEFAULT_MAX_PAGE_BYTES,
     DEFAULT_TIMEOUT_S,
     INTERNAL_ERROR,
     PAGE_ERROR_REASONS,
+    EngineKey,
     EnginePageError,
     EngineTarget,
     fetch_page,
@@ -41,7 +44,7 @@ from kv_exporter.sidecar.engine_page import (
 )
 from kv_exporter.sidecar.liveness import State, Verdict, classify
 from kv_exporter.sidecar.observed import FUTURE_TIMESTAMP, ObservedState, worker_state
-from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, on_device
+from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, engine_key, on_device
 from kv_exporter.transport.fetch import Client, timed_out
 
 log = logging.getLogger(__name__)
@@ -138,8 +141,9 @@ def _refusal(entry: ManifestEntry, now: float) -> tuple[str, str, float] | None:
     m = entry.manifest
     if m is None:
         return None
-    if m.observation_problem is not None:
-        return entry.path, m.observation_problem.reason, m.written_at
+    problem = m.observation_problem or m.allocator_problem
+    if problem is not None:
+        return entry.path, problem.reason, m.written_at
     if m.observation is None or m.observation.state is not ObservationState.OK:
         return None
     if not entry.live:
@@ -202,8 +206,13 @@ class EnginePages:
         self._loop.run_until_complete(asyncio.sleep(0))  # each read runs to its first wait: its request is out
         return reads
 
-    def finish(self, reads: list[asyncio.Task[PageResult]]) -> list[PageResult]:
+    def finish(
+        self, reads: list[asyncio.Task[PageResult]], limits: dict[EngineKey, int] | None = None
+    ) -> list[PageResult]:
+        """The pages; an engine's running count above its limit (`limits`: the live manifests' max_num_seqs) is
+        impossible: left out of its page (the engine reads as unreadable) and counted."""
         results = self._loop.run_until_complete(self._answers(reads))
+        results = [_refuse_impossible(result, limits or {}) for result in results]
         for result in results:
             self._account(result)
         return results
@@ -243,12 +252,15 @@ class EnginePages:
         return PageResult(target.target, None, EnginePageError(late.reason, late.detail), self.timeout_s)
 
     def _account(self, result: PageResult) -> None:
-        reason = result.error.reason if result.error else None
+        reason = result.error.reason if result.error else ABOVE_MAX_NUM_SEQS if result.refused else None
         if reason is not None:
             self.errors_total[(result.target, reason)] += 1
         if self._last_reason.get(result.target, "") != reason:  # log transitions, not every scrape
             if result.error:
                 log.warning("engine page %s: %s", result.target, result.error)
+            elif result.refused:
+                shown = ", ".join(f"{k.model_name} stage {k.stage} engine {k.engine}" for k in result.refused)
+                log.warning("engine page %s: a running count above max_num_seqs, not used (%s)", result.target, shown)
             elif result.target in self._last_reason:
                 log.info("engine page %s: readable again", result.target)
         self._last_reason[result.target] = reason
@@ -258,6 +270,24 @@ class EnginePages:
         if not self._loop.is_running():
             self._client.close()
             self._loop.close()
+
+
+def _refuse_impossible(result: PageResult, limits: dict[EngineKey, int]) -> PageResult:
+    refused = () if result.page is None else result.page.above(limits)
+    if not refused or result.page is None:
+        return result
+    return replace(result, page=result.page.without(refused), refused=refused)
+
+
+def running_limits(entries: Sequence[ManifestEntry]) -> dict[EngineKey, int]:
+    """Each engine's max_num_seqs, as its live manifests give it: no running count can pass it."""
+    limits: dict[EngineKey, int] = {}
+    for entry in entries:
+        m = entry.manifest
+        if m is not None and entry.live:
+            key = engine_key(m)
+            limits[key] = max(limits.get(key, 0), m.max_num_seqs)
+    return limits
 
 
 def read_gpus(reader: GpuReader | None, entries: Sequence[ManifestEntry]) -> GpuResult:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kv_exporter.manifest import Manifest, PodInfo
-from kv_exporter.observation import CudaMemory, ObservationState
+from kv_exporter.observation import CUDA_DETAILS_SINCE, CudaMemory, ObservationState
 from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.records import (
     GpuResult,
@@ -313,9 +313,6 @@ def _unreadable_views(manifests: Iterable[Manifest], gpu: GpuResult) -> list[Unr
     return [UnreadableView(*key, caches) for key, caches in ordered]
 
 
-CUDA_DETAIL_SINCE = 4  # the schema version that added the allocator's peak, high-water, retries, OOMs and warm-up
-
-
 def _cuda_views(manifests: Iterable[Manifest], gpu: GpuResult) -> list[CudaView]:
     views: dict[tuple[EngineKey, Placement, PodInfo], CudaView] = {}
     for m in manifests:
@@ -324,15 +321,30 @@ def _cuda_views(manifests: Iterable[Manifest], gpu: GpuResult) -> list[CudaView]
             continue
         key = (engine_key(m), placement(m, gpu), m.pod)
         view = views.setdefault(key, CudaView(*key))
-        view.add(cuda, sum(owner.bytes for owner in m.observation.owners), m.schema_version >= CUDA_DETAIL_SINCE)
+        view.add(cuda, sum(owner.bytes for owner in m.observation.owners), m.schema_version >= CUDA_DETAILS_SINCE)
     return sorted(views.values(), key=lambda v: (v.key, v.placement.gpu, v.placement.uuid))
+
+
+# Why a worker's observation has no allocator figures although it wrote some: they were refused.
+ALLOCATOR_REFUSED = "refused"
+
+
+def cuda_unavailable_reason(manifest: Manifest) -> str | None:
+    """Why the worker's usable observation has no allocator figures (None: it has them, or has no observation)."""
+    observation = manifest.observation
+    if observation is None or observation.cuda is not None:
+        return None
+    if manifest.allocator_problem is not None:
+        return ALLOCATOR_REFUSED
+    return None if observation.cuda_unavailable is None else observation.cuda_unavailable.value
 
 
 def _cuda_unavailable(manifests: Iterable[Manifest]) -> list[CudaUnavailable]:
     counts: dict[tuple[EngineKey, PodInfo, str], int] = {}
     for m in manifests:
-        if m.observation is not None and m.observation.cuda is None and m.observation.cuda_unavailable is not None:
-            key = (engine_key(m), m.pod, m.observation.cuda_unavailable.value)
+        reason = cuda_unavailable_reason(m)
+        if reason is not None:
+            key = (engine_key(m), m.pod, reason)
             counts[key] = counts.get(key, 0) + 1
     ordered = sorted(counts.items(), key=lambda item: (item[0][0], item[0][2]))
     return [CudaUnavailable(key, pod, reason, workers) for (key, pod, reason), workers in ordered]

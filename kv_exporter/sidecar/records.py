@@ -34,6 +34,7 @@ class PageResult:
     page: EnginePage | None
     error: EnginePageError | None
     seconds: float  # how long the collection waited for it
+    refused: tuple[EngineKey, ...] = ()  # engines whose impossible running count `page` no longer holds
 
 
 @dataclass(frozen=True)

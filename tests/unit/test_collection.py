@@ -355,3 +355,37 @@ def test_page_error_series_follow_the_configured_targets_and_sort_reasons_within
     [family] = [f for f in families(snapshot) if f.name == "model_local_kv_engine_page_errors"]
     order = [(s.labels["target"], s.labels["reason"], s.value) for s in family.samples]
     assert order == [(later, "malformed", 2), (later, "timeout", 0), (first, "bad_value", 0), (first, "unreachable", 1)]
+
+
+def claiming(running: str, model: str) -> bytes:
+    """The recorded vLLM page, its running count written as `running` (any number Prometheus takes)."""
+    honest = vllm_page_with(1, model)
+    return honest.replace(f'model_name="{model}"}} 1.0'.encode(), f'model_name="{model}"}} {running}'.encode())
+
+
+def scrape_twice(folder: Path, page_bytes: bytes) -> tuple[Snapshot, Snapshot]:
+    gpu = simulated_gpu()
+    with SimulatedEngine(page_bytes) as engine:
+        collection = Collection(CollectionSettings(str(folder), (EngineTarget.parse(engine.url),)), gpu, OTHER_NS)
+        try:
+            return collection.snapshot(), collection.snapshot()
+        finally:
+            collection.close()
+
+
+@pytest.mark.parametrize("claim", ["9", "65", "1e6", "1e308"])
+def test_a_running_count_above_the_engines_max_num_seqs_is_refused_and_counted(tmp_path: Path, claim: str) -> None:
+    write_manifest(tmp_path, reference_manifest(QWEN3_TTS, max_num_seqs=8))
+    first, second = scrape_twice(tmp_path, claiming(claim, "Qwen3-TTS"))
+    (engine,) = second.engines
+    assert (engine.up, engine.running) == (False, None)  # read as an unreadable engine: 0 rows, an upper bound
+    target = engine_target(second)
+    assert [s.page_errors_total[(target, "running_above_max_num_seqs")] for s in (first, second)] == [1, 2]
+    _, honest = scrape_twice(tmp_path, claiming("8", "Qwen3-TTS"))  # a full engine, honestly
+    assert second.gpus[0].projected_peak >= honest.gpus[0].projected_peak
+    assert honest.page_errors_total[(engine_target(honest), "running_above_max_num_seqs")] == 0
+
+
+def engine_target(snap: Snapshot) -> str:
+    (result,) = snap.pages
+    return result.target

@@ -399,16 +399,35 @@ def test_a_version_3_observation_is_read_without_the_allocator_figures_it_did_no
     manifest = parse_manifest(json.dumps(document).encode(), "v3.json")
     assert manifest.observation is not None and manifest.observation.cuda is not None
     assert manifest.observation.cuda == CudaMemory(allocated_bytes=3 << 30, reserved_bytes=4 << 30)
-    document["observation"]["cuda"]["ooms"] = 1  # a version 3 worker had none to give
-    assert parse_manifest(json.dumps(document).encode(), "v3.json").observation is None
+    document["observation"]["cuda"]["ooms"] = 1  # a version 3 worker had none to give: those figures are refused
+    refused = parse_manifest(json.dumps(document).encode(), "v3.json")
+    assert refused.observation is not None and refused.observation.cuda is None
+    assert refused.allocator_problem is not None and refused.allocator_problem.reason == "unknown_field"
 
 
-def test_a_high_water_below_its_floor_is_inconsistent() -> None:
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("high_water_bytes", (3 << 30) - 1),  # below its floor
+        ("peak_bytes", (3 << 30) - 1),  # below what is allocated now
+        ("reserved_bytes", (3 << 30) - 1),  # less reserved than allocated
+    ],
+)
+def test_allocator_figures_torch_could_never_give_are_refused_alone(name: str, value: int) -> None:
     document = observed_manifest().to_dict()
-    document["observation"]["cuda"]["high_water_bytes"] = (3 << 30) - 1
-    manifest = parse_manifest(json.dumps(document).encode(), "v4.json")
-    assert manifest.observation is None and manifest.observation_problem is not None
-    assert manifest.observation_problem.reason == "inconsistent"
+    document["observation"]["cuda"][name] = value
+    manifest = parse_manifest(json.dumps(document).encode(), "v5.json")
+    assert manifest.observation is not None and manifest.observation_problem is None
+    assert manifest.observation.owners == OBSERVATION.owners  # the owners' figures are kept
+    assert manifest.observation.cuda is None
+    assert manifest.allocator_problem is not None and manifest.allocator_problem.reason == "inconsistent"
+    assert name in manifest.allocator_problem.detail
+
+
+def test_a_version_3_allocator_without_a_peak_is_not_refused_for_it() -> None:
+    manifest = parse_manifest(json.dumps(version_3_document()).encode(), "v3.json")
+    assert manifest.allocator_problem is None and manifest.observation is not None
+    assert manifest.observation.cuda is not None
 
 
 def version_2_document() -> dict[str, Any]:
