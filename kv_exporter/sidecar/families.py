@@ -234,7 +234,7 @@ def observed_families(observed: Observed) -> list[Metric]:
     unreadable = GaugeRows(
         "model_local_kv_observed_unreadable_caches",
         "Live caches of the owner its workers could not read, by reason (no_layers, layers_raised, not_a_tensor, "
-        "no_storage): left out of its observed figures.",
+        "no_storage, not_followed): left out of its observed figures.",
         (*OWNER_LABELS, "reason"),
     )
     for bad in observed.unreadable:

@@ -15,18 +15,17 @@ charged to the owner of the first cache to hold it. A storage a cache dropped ca
 that cache, which marks it; a catch-up therefore first gives up what every marked cache dropped and only then takes
 what they hold now, so an address freed by one and reused by another is never taken for the old storage.
 
-A cache is read through its instance dictionary, which its registry entry keeps: the weak reference's callback runs
-when the cache is already unreachable but before its dictionary is cleared, so a released cache's last contents
-are still read. What no hooked method announces (code assigning a layer's `keys` itself, or calling a layer's
-`update` without its cache) is seen by the next read of that cache or by the sampler's walk.
+A cache's last contents are read in its finalizer (the `__del__` the registry gives every cache class), where it
+is still whole; nothing of it is kept alive for that (an entry holds a weak reference only, so a cache in any
+reference cycle is collected as it would be without the plugin). What no hooked method announces (code assigning a
+layer's `keys` itself, or calling a layer's `update` without its cache) is seen by the next read of that cache, or by
+a sample's audit, which re-reads a few caches round robin.
 
-The accounts themselves run in C (`_tracker.c`: the same rules, on the step path); this module names what they
-follow, and what the registry's Python side reads of a cache.
+The accounts themselves run in C (`_tracker.c`: the same rules, on the step path, in commits that run no Python);
+this module names the methods they follow.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 # A layer's update that can make what its cache holds fall: every layer class but these two (exact types).
 GROWING_LAYERS = ("DynamicLayer", "StaticLayer")
@@ -41,18 +40,3 @@ RESHAPING_METHODS = (
     "prefetch",
     "early_initialization",
 )
-_NO_STORAGE = (AttributeError, TypeError, NotImplementedError, RuntimeError)  # None, sparse, nested, a wrapper
-
-
-def first_tensor(state: dict[str, Any] | None, pointer: int | None) -> Any:
-    """The K or V tensor of a cache whose storage is at `pointer` (None: the first holding any), None when none is."""
-    for layer in (state or {}).get("layers") or ():
-        tensor: Any
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            try:
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() == pointer or (pointer is None and storage.nbytes()):
-                    return tensor
-            except _NO_STORAGE:
-                pass
-    return None
