@@ -224,7 +224,7 @@ class StepModel:
             for cache in self.active:
                 cache.update(self.token, self.token, layer)
         for cache in self.active:
-            cache.crop(4)
+            cache.crop(-1)  # back to where the step began
 
     def run(self, seconds: float) -> list[float]:
         """Step durations (ms) over `seconds`."""

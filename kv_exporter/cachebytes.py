@@ -33,7 +33,6 @@ __all__ = [
     "SeenStorages",
     "StorageUnavailable",
     "measure_cache_bytes",
-    "storage_pointer",
 ]
 
 # EncoderDecoderCache has no `.layers`; it holds two ordinary caches under these names.
@@ -227,9 +226,3 @@ def _storage(tensor: Any) -> Any:
         return tensor.untyped_storage()
     except (NotImplementedError, RuntimeError) as exc:  # torch's answer for sparse, nested and wrapper tensors
         raise StorageUnavailable(f"a cache holds a {type(tensor).__name__} without a readable storage ({exc})") from exc
-
-
-def storage_pointer(tensor: Any) -> int:
-    """The data pointer of the tensor's storage (0 for an empty one); StorageUnavailable where torch shows none."""
-    pointer: int = _storage(tensor).data_ptr()
-    return pointer

@@ -15,7 +15,6 @@ import importlib.util
 import os
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
@@ -26,7 +25,7 @@ from kv_exporter.plugin.observe.cuda import CudaAllocator
 from kv_exporter.plugin.observe.holders import Holders
 from kv_exporter.plugin.observe.owners import Geometry
 from kv_exporter.plugin.observe.registry import Figures, Registry
-from kv_exporter.plugin.observe.sampler import PAUSE_S, SLICE_S, Pacer, Sampler, Totals, measure_holders
+from kv_exporter.plugin.observe.sampler import PAUSE_S, SLICE_S, Pacer, Sampler
 from kv_exporter.plugin.oncelog import warn_once
 from kv_exporter.plugin.settings import HookSettings
 
@@ -76,14 +75,12 @@ class _Observer:
             return self._result(ObservationState.UNAVAILABLE, reason, taken_at, started, warm_up_ended)
         pause = pause or (lambda: time.sleep(PAUSE_S))
         try:
-            cached = self.registry.sample(pause, SLICE_S)
-            stored_peaks = self.holders.take_peaks()
-            other = measure_holders(self.holders, self.registry.holds, Pacer(pause))
+            self.holders.walk_state(Pacer(pause))  # first: what it finds is read with the caches
+            figures = owners(self.registry.sample(pause, SLICE_S), self.registry)
         except Exception as exc:
             reason = f"the sample failed: {exc!r}"
             warn_once("observe:failing", "kv-exporter: %s; trying again at the next interval", reason)
             return self._result(ObservationState.FAILING, reason, taken_at, started, warm_up_ended)
-        figures = owners(cached, other, stored_peaks, self.registry)
         for left_out in figures[1]:
             warn_once(
                 f"observe:unreadable:{left_out.reason.value}",
@@ -122,30 +119,22 @@ class _Observer:
         )
 
 
-def owners(
-    cached: Figures, other: Totals, stored_peaks: dict[str, int], registry: Registry
-) -> tuple[tuple[OwnerObservation, ...], tuple[UnreadableCaches, ...]]:
-    """Per owner: what it held at the sample in every form, and the most since the previous one (never below the
-    sample's figure). Where the peak is not followed, the figure at the sample is the peak.
+def owners(figures: Figures, registry: Registry) -> tuple[tuple[OwnerObservation, ...], tuple[UnreadableCaches, ...]]:
+    """Per owner: what it held at the sample in every form, and the most it held at any instant since the previous
+    one, the forms together (never below the sample's figure). Where the peak is not followed, the figure at the
+    sample is the peak. Its holders: its caches, each tensor a known class stored, and its state as one.
 
-    A declarer holding nothing shows 0, and so does an owner whose caches came and went since the last sample.
-    An owner holding several forms gets the sum of their peaks: an upper bound of its joint peak (its state does
-    not move between samples)."""
-    caches, unreadable = cached
+    A declarer holding nothing shows 0, and so does an owner whose caches came and went since the last sample."""
+    held, unreadable = figures
     model = registry.model
-    names = {*caches, *other.held, *stored_peaks, *(model.declaring if model is not None else ())}
-    figures = []
+    names = {*held, *(model.declaring if model is not None else ())}
+    found = []
     for owner in sorted(names):
-        cache_bytes, cache_peak, count = caches.get(owner, (0, 0, 0))
-        other_bytes, objects = other.held.get(owner, (0, 0))
-        nbytes = cache_bytes + other_bytes
-        stored_peak = max(other.stored[owner], stored_peaks.get(owner, 0))
-        peak = max(nbytes, cache_peak + other.in_state[owner] + stored_peak) if registry.follows_peaks else nbytes
-        figures.append(OwnerObservation(owner, nbytes, count + objects, peak))
-    left_out = Counter(unreadable) + other.unreadable
-    return tuple(figures), tuple(
-        UnreadableCaches(owner, reason, count) for (owner, reason), count in sorted(left_out.items())
-    )
+        nbytes, peak, caches, stored, state = held.get(owner, (0, 0, 0, 0, 0))
+        holders = caches + stored + (1 if state else 0)
+        found.append(OwnerObservation(owner, nbytes, holders, max(nbytes, peak) if registry.follows_peaks else nbytes))
+    left_out = tuple(UnreadableCaches(owner, reason, count) for (owner, reason), count in sorted(unreadable.items()))
+    return tuple(found), left_out
 
 
 _observer = _Observer()
@@ -169,6 +158,7 @@ def patch_cache_module(module: ModuleType) -> None:
         _observer.registry.mark_unavailable("no-cache-class", f"{module.__name__} has no {CACHE_BASE} class")
         return
     _observer.registry.install(cache_base, torch.nn.Module, _observer.follows_peaks())
+    _observer.holders.tracker = _observer.registry.tracker
 
 
 def patches(settings: HookSettings) -> dict[str, Callable[[ModuleType], None]]:

@@ -39,6 +39,11 @@
 /* Why a cache is left out of its owner's figures (observation.UnreadableReason, in this order from 1). */
 enum { READABLE = 0, NO_LAYERS, LAYERS_RAISED, NOT_A_TENSOR, NO_STORAGE, NOT_FOLLOWED, REASONS };
 
+/* What an entry follows: a transformers cache, or a tensor another form holds (holders.py): one a known cache
+ * class stored, or one in a declaring owner's state. A tensor is read as itself, and released by its weak reference's
+ * callback (no finalizer of ours comes for it). */
+enum { KIND_CACHE, KIND_STORED, KIND_STATE, KINDS };
+
 /* What reading a cache found. */
 enum { READ_OK, READ_UNREADABLE, READ_UNINITIALISED, READ_GONE, READ_FAILED };
 
@@ -259,6 +264,7 @@ typedef struct {
     char live;              /* in the tracker's live table */
     char half;              /* one of an encoder-decoder cache's two halves: counted with that cache */
     char reason;            /* why it cannot be read (READABLE when it can) */
+    char kind;              /* KIND_* */
 } Entry;
 
 typedef struct {
@@ -753,6 +759,20 @@ static void catch_up(Tracker *t, Entry *final, PyObject *final_cache, PyObject *
         PyObject *cache = e == final ? Py_NewRef(final_cache) : entry_cache(e);
         if (cache == NULL || !e->live) {
             r->status = READ_GONE;
+        } else if (e->kind != KIND_CACHE) {
+            PyObject *first = NULL;
+            r->status = READ_OK;
+            read_tensor(t, cache, r, &first);
+            Py_XDECREF(first);
+            if (r->status == READ_FAILED) {
+                fail(t, "reading a tensor");
+                r->status = READ_GONE;
+            }
+            if (r->status == READ_OK && r->now.len && e->tally < 0 && (e->tally = tally_of(t, owner_of(t, e))) < 0) {
+                fail(t, "an owner's tally");
+                r->status = READ_GONE;
+            }
+            storages += (size_t)r->now.len;
         } else {
             read_cache(t, cache, r);
             if (r->status == READ_OK && r->now.len && e->tally < 0 && (e->tally = tally_of(t, owner_of(t, e))) < 0) {
@@ -865,6 +885,7 @@ static Entry *new_entry(Tracker *t, PyObject *cache) {
     e->tally = -1;
     e->version = 0;
     e->dirty = e->live = e->half = e->reason = 0;
+    e->kind = KIND_CACHE;
     PyObject_GC_Track(e);
     e->ref = PyWeakref_NewRef(cache, (PyObject *)e); /* TypeError for a cache that cannot be weakly referenced */
     if (e->ref == NULL) {
@@ -876,17 +897,22 @@ static Entry *new_entry(Tracker *t, PyObject *cache) {
 
 /* -- Entry's type ---------------------------------------------------------------------------------------------------- */
 
-/* The weak reference's callback: the cache is gone. Its finalizer (`release`) normally came first and forgot it;
- * under a garbage collection the callback comes first, and the finalizer after it reads the cache: until then the
- * entry waits in `gone`, released without a last reading if no finalizer ever comes. */
+/* The weak reference's callback: the object is gone. A cache's finalizer (`release`) normally came first and forgot
+ * it; under a garbage collection the callback comes first, and the finalizer after it reads the cache: until then
+ * the entry waits in `gone`, released without a last reading if no finalizer ever comes. A tensor has no finalizer
+ * of ours: its storage, read when it was held, goes now, after the instant before is counted. */
 static PyObject *entry_call(Entry *e, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kwargs)) {
     Tracker *t = e->tracker;
-    if (t != NULL && e->live && entrylist_push(&t->gone, e) < 0) {
-        Py_INCREF(e);
-        commit_release(t, e);
-        Py_DECREF(e);
-        fail(t, "a release");
+    if (t == NULL || !e->live)
+        Py_RETURN_NONE;
+    Py_INCREF(e);
+    if (e->kind != KIND_CACHE || entrylist_push(&t->gone, e) < 0) {
+        if (e->kind != KIND_CACHE && t->follows_peaks && t->marked.len)
+            catch_up(t, NULL, NULL, NULL, 0);
+        if (e->live)
+            commit_release(t, e);
     }
+    Py_DECREF(e);
     Py_RETURN_NONE;
 }
 
@@ -1063,9 +1089,10 @@ static PyObject *tracker_request(Tracker *t, PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromUnsignedLongLong(++t->requested);
 }
 
-PyDoc_STRVAR(take_doc, "take()\n--\n\n({owner: (bytes, peak, caches)}, {(owner, reason): caches}): what each owner's "
-                       "readable caches hold now and the most since the last take, and the caches left out by reason. "
-                       "The next interval's peak starts at what they hold now.");
+PyDoc_STRVAR(take_doc, "take()\n--\n\n({owner: (bytes, peak, caches, stored, state)}, {(owner, reason): count}): "
+                       "what each owner holds now in every form and the most since the last take, with its readable "
+                       "caches, stored tensors and state tensors; and what is left out, by reason. The next "
+                       "interval's peak starts at what they hold now.");
 
 static PyObject *tracker_take(Tracker *t, PyObject *Py_UNUSED(ignored)) {
     settle_gone(t);
@@ -1074,7 +1101,9 @@ static PyObject *tracker_take(Tracker *t, PyObject *Py_UNUSED(ignored)) {
         if (e != NULL && e->tally < 0 && tally_of(t, owner_of(t, e)) < 0)
             return NULL;
     }
-    Py_ssize_t *counts = PyMem_Calloc((size_t)(t->tallies ? t->tallies : 1) * REASONS, sizeof(Py_ssize_t));
+    /* per tally: entries left out by reason (caches read as READABLE), then readable stored and state tensors */
+    const int width = REASONS + KINDS - 1;
+    Py_ssize_t *counts = PyMem_Calloc((size_t)(t->tallies ? t->tallies : 1) * (size_t)width, sizeof(Py_ssize_t));
     if (counts == NULL)
         return PyErr_NoMemory();
     for (size_t j = 0; j < table_size(&t->live); j++) {
@@ -1087,16 +1116,17 @@ static PyObject *tracker_take(Tracker *t, PyObject *Py_UNUSED(ignored)) {
             tally = index ? PyLong_AsSsize_t(index) : -1;
         }
         if (tally >= 0)
-            counts[tally * REASONS + e->reason]++;
+            counts[tally * width + (e->reason != READABLE ? e->reason : e->kind ? REASONS + e->kind - 1 : 0)]++;
     }
     PyObject *owners = PyDict_New(), *unreadable = PyDict_New(), *result = NULL;
     for (Py_ssize_t k = 0; owners != NULL && unreadable != NULL && k < t->tallies; k++) {
         PyObject *name = PyList_GET_ITEM(t->tally_names, k);
         Tally *tally = &t->totals[k];
-        Py_ssize_t *count = &counts[k * REASONS];
-        if (tally->peak > 0 || count[READABLE] > 0) {
-            PyObject *figures = Py_BuildValue("(LLn)", (long long)tally->current, (long long)tally->peak,
-                                              count[READABLE]);
+        Py_ssize_t *count = &counts[k * width];
+        Py_ssize_t stored = count[REASONS + KIND_STORED - 1], state = count[REASONS + KIND_STATE - 1];
+        if (tally->peak > 0 || count[READABLE] > 0 || stored > 0 || state > 0) {
+            PyObject *figures = Py_BuildValue("(LLnnn)", (long long)tally->current, (long long)tally->peak,
+                                              count[READABLE], stored, state);
             if (figures == NULL || PyDict_SetItem(owners, name, figures) < 0)
                 Py_CLEAR(owners);
             Py_XDECREF(figures);
@@ -1174,13 +1204,90 @@ static PyObject *tracker_after_fork(Tracker *t, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(holds_doc, "holds(pointer)\n--\n\nWhether a tracked cache holds the storage at `pointer`.");
-
-static PyObject *tracker_holds(Tracker *t, PyObject *arg) {
-    void *pointer = PyLong_AsVoidPtr(arg);
-    if (pointer == NULL && PyErr_Occurred())
+/* The live entry of `object`, a new reference, or NULL (no exception). */
+static Entry *entry_of(Tracker *t, PyObject *object) {
+    Slot *slot = table_find(&t->live, (uintptr_t)object);
+    if (slot == NULL)
         return NULL;
-    return PyBool_FromLong(table_find(&t->held, (uintptr_t)pointer) != NULL);
+    Entry *e = (Entry *)Py_NewRef(slot->object);
+    PyObject *referent = entry_cache(e);
+    Py_XDECREF(referent);
+    if (referent != object) {
+        Py_DECREF(e);
+        return NULL;
+    }
+    return e;
+}
+
+PyDoc_STRVAR(hold_doc, "hold(tensor, owner, stored)\n--\n\nFollow a tensor another form holds for `owner`: one a known "
+                       "cache class stored (`stored`: read at once where peaks are followed, with what it replaced "
+                       "still alive, that instant being the peak), or one in a declaring owner's state (read at the "
+                       "sample's catch-up). It counts until it is released or let go. Already held: nothing changes.");
+
+static PyObject *tracker_hold(Tracker *t, PyObject *args) {
+    PyObject *tensor, *owner;
+    int stored;
+    if (!PyArg_ParseTuple(args, "OUp:hold", &tensor, &owner, &stored))
+        return NULL;
+    Entry *held = entry_of(t, tensor);
+    if (held != NULL) {
+        Py_DECREF(held);
+        Py_RETURN_NONE;
+    }
+    Entry *e = new_entry(t, tensor);
+    if (e == NULL)
+        return NULL;
+    Py_SETREF(e->owner, Py_NewRef(owner));
+    e->pending = PyTuple_New(0);
+    e->kind = stored ? KIND_STORED : KIND_STATE;
+    if (e->pending == NULL || table_reserve(&t->live, t->live.used + 1) < 0) {
+        Py_DECREF(e);
+        return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+    }
+    Slot *slot = table_find(&t->live, (uintptr_t)tensor);
+    if (slot != NULL) { /* a dead object's entry at this address: gone first */
+        Entry *stale = (Entry *)Py_NewRef(slot->object);
+        commit_release(t, stale);
+        Py_DECREF(stale);
+    }
+    slot = table_slot(&t->live, (uintptr_t)tensor);
+    slot->object = Py_NewRef((PyObject *)e);
+    e->live = 1;
+    mark_entry(t, e);
+    if (t->follows_peaks && stored) /* in the model's thread, as the class stores it; a state's at the sample */
+        catch_up(t, NULL, NULL, NULL, 0);
+    Py_DECREF(e);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(let_go_doc, "let_go(tensor)\n--\n\nStop counting a held tensor (no longer in its owner's state).");
+
+static PyObject *tracker_let_go(Tracker *t, PyObject *tensor) {
+    Entry *e = entry_of(t, tensor);
+    if (e != NULL && e->kind != KIND_CACHE)
+        commit_release(t, e);
+    Py_XDECREF(e);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(reown_doc, "reown(tensor, owner)\n--\n\nCharge a held tensor to `owner` from now on (its storage is read "
+                        "again for it).");
+
+static PyObject *tracker_reown(Tracker *t, PyObject *args) {
+    PyObject *tensor, *owner;
+    if (!PyArg_ParseTuple(args, "OU:reown", &tensor, &owner))
+        return NULL;
+    Entry *e = entry_of(t, tensor);
+    if (e == NULL || e->kind == KIND_CACHE) {
+        Py_XDECREF(e);
+        Py_RETURN_NONE;
+    }
+    give_up_all(t, e);
+    Py_SETREF(e->owner, Py_NewRef(owner));
+    e->tally = -1;
+    mark_entry(t, e);
+    Py_DECREF(e);
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(failures_doc, "failures()\n--\n\n(count, last): failures since the last call, and the last one's "
@@ -1262,7 +1369,9 @@ static PyMethodDef tracker_methods[] = {
     {"audit", (PyCFunction)tracker_audit, METH_O, audit_doc},
     {"rebuild", (PyCFunction)tracker_rebuild, METH_NOARGS, rebuild_doc},
     {"after_fork", (PyCFunction)tracker_after_fork, METH_NOARGS, after_fork_doc},
-    {"holds", (PyCFunction)tracker_holds, METH_O, holds_doc},
+    {"hold", (PyCFunction)tracker_hold, METH_VARARGS, hold_doc},
+    {"let_go", (PyCFunction)tracker_let_go, METH_O, let_go_doc},
+    {"reown", (PyCFunction)tracker_reown, METH_VARARGS, reown_doc},
     {"failures", (PyCFunction)tracker_failures, METH_NOARGS, failures_doc},
     {"entries", (PyCFunction)tracker_entries, METH_NOARGS, entries_doc},
     {"set_sites", (PyCFunction)tracker_set_sites, METH_O, set_sites_doc},

@@ -2,13 +2,15 @@
 that live outside the model's module tree. What counts (docs/cache-bytes.md, "Beyond transformers caches"):
 
 1. **A declaring owner's own state.** Every tensor reachable from the owner module's own attributes and registered
-   buffers, through lists, tuples, sets, dicts and plain objects, at most `STATE_DEPTH` steps away, that has the
-   dtype of one of the owner's declarations and a whole number of that declaration's KV vectors (kv_heads x
-   head_dim elements). Never through another module (it has its own figures; vLLM's attention modules hold the
-   engine's paged KV), a transformers `Cache` (the tracker counts those) or a known cache class (rule 2); never a
-   parameter, nor a storage of the engine's paged KV (the runner's `kv_caches`), wherever it is held. VibeVoice's
-   negative-CFG pool (bf16 K/V pages on `negative_kv`) counts; its int32 block table, the owner's float32 rotary
-   buffers, its config objects do not.
+   buffers, through lists, tuples, sets, dicts and plain objects, at most `STATE_DEPTH` steps away, that shows one of
+   the owner's declarations in its shape (`kv_evidence`): the declared dtype, a dimension of the declared KV heads
+   and after it a last dimension of the declared head size (K or V alone) or twice it (K and V side by side). A
+   buffer that merely holds a whole number of KV vectors is not KV (MiMo-Audio's audio-embedding staging buffer,
+   `[100, 1, group, hidden]`, is not). Never through another module (it has its own figures; vLLM's attention modules
+   hold the engine's paged KV), a transformers `Cache` (the tracker counts those) or a known cache class (rule 2);
+   never a parameter, nor a storage of the engine's paged KV (the runner's `kv_caches`), wherever it is held.
+   VibeVoice's negative-CFG pool (`[pages, kv heads, block, 2 x head size]` bf16) counts; its int32 block table, the
+   owner's float32 rotary buffers, its config objects do not.
 2. **Known cache classes** (`KNOWN_CLASSES`): the tensors their allocating methods store, from the moment they are
    stored until they are released, charged to the one declaring owner whose declaration their geometry matches
    (layers, KV heads, head size, dtype), else `unattributed`. vllm-omni 0.32's `StreamingAudioKVCache` (MiniCPM-o's
@@ -16,25 +18,24 @@ that live outside the model's module tree. What counts (docs/cache-bytes.md, "Be
    cannot be weakly referenced: its buffer tensor is what is followed. Its `StreamingAudioGraphEncoder` (held by the
    thinker, which declares nothing) keeps one static KV input for all its CUDA graphs, captured lazily.
 
-Every storage is counted once, together with the caches' (one `SeenStorages` a sample). The state walk runs at the
-sample, in the sampler's slices; rule 2 costs nothing on the step path (its methods run once per page of growth),
-and follows the high-water mark between samples: each stored tensor's bytes are added when stored and taken off
-when released.
+Every tensor either rule finds is followed by the cache tracker's ledger (`Tracker.hold`), as a cache is: each
+storage once across every form, an owner's peak the peak of everything it held together. The state walk runs at
+the sample, in the sampler's slices; rule 2 costs nothing on the step path (its methods run once per page of
+growth): a stored tensor is read as it is stored, while what it replaces still lives (that instant is the peak),
+and gives its storage up when it is released.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
-import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from types import BuiltinFunctionType, FunctionType, MethodType, ModuleType
 from typing import Any
 
 from kv_exporter.observation import UNATTRIBUTED_OWNER
-from kv_exporter.plugin.forksafe import ForkSafeLock
 from kv_exporter.plugin.observe.owners import Geometry, ModelMap
 from kv_exporter.plugin.oncelog import warn_once
 
@@ -89,32 +90,21 @@ KNOWN_CLASSES = (
 )
 
 
-class _Stored:
-    """A tensor a known cache class stored: weakly held, with its geometry, bytes when stored and owner."""
-
-    __slots__ = ("geometry", "nbytes", "owner", "ref")
-
-    def __init__(self, ref: weakref.ref[Any], geometry: Geometry, nbytes: int, owner: str | None) -> None:
-        self.ref, self.geometry, self.nbytes, self.owner = ref, geometry, nbytes, owner
-
-
 class Holders:
-    """Rules 1 and 2 above for one process: the known classes' stored tensors, and the declaring owners' modules."""
+    """Rules 1 and 2 above for one process: the known classes' stored tensors, and the declaring owners' state, each
+    tensor handed to the cache tracker's ledger (`tracker`, set when the tracker is installed)."""
 
     active: Holders | None = None  # where the patched methods report (the process's observer's; tests replace it)
 
     def __init__(self) -> None:
-        # The stored tensors: added in the model's thread, released in any. Held only around plain data updates;
-        # reentrant, as a collection while it is held can release a stored tensor in the same thread.
-        self._lock = ForkSafeLock(threading.RLock)
-        self._stored: dict[int, _Stored] = {}  # id(tensor) -> its record, while it lives
-        self._now: dict[str, int] = {}  # owner -> bytes its stored tensors hold (rule 2)
-        self._peak: dict[str, int] = {}  # owner -> the most they held since the last take_peaks
+        self.tracker: Any = None
         self._model: ModelMap | None = None
         self._owners: dict[str, weakref.ref[Any]] = {}  # declaring path -> its module
         self._known: tuple[type, ...] = ()  # the known classes found: rule 1 never enters them
         self._skip: tuple[type, ...] = ()  # nor modules, nor transformers caches (set by `attach`)
         self._engine_kv: set[tuple[str, int]] = set()  # (device, data pointer) of the engine's paged KV storages
+        self._waiting: list[tuple[weakref.ref[Any], Geometry]] = []  # stored before the model was known
+        self._state: dict[int, weakref.ref[Any]] = {}  # the state tensors the last walk found, by id
 
     # -- rule 2: known classes -----------------------------------------------------------------------------------
 
@@ -140,11 +130,12 @@ class Holders:
     @staticmethod
     def _storing(method: Callable[..., Any], known: KnownClass) -> Callable[..., Any]:
         @functools.wraps(method)
-        def storing(instance: Any, *args: Any, **kwargs: Any) -> Any:
-            # The tensors it holds before are kept until the new ones are counted: a method that grows a buffer
+        def storing(*args: Any, **kwargs: Any) -> Any:
+            # The tensors it holds before are kept until the new ones are held: a method that grows a buffer
             # allocates the new one while the old one lives (and copies), so that instant is the peak.
+            instance = args[0] if args else None
             previous = [getattr(instance, name, None) for name in known.tensors]
-            result = method(instance, *args, **kwargs)
+            result = method(*args, **kwargs)
             holders = Holders.active
             unchanged = all(
                 getattr(instance, name, None) is was for name, was in zip(known.tensors, previous, strict=True)
@@ -161,35 +152,18 @@ class Holders:
         return storing
 
     def stored(self, instance: Any, known: KnownClass) -> None:
-        """After an allocating method: follow each KV tensor `instance` now holds that is not followed yet."""
+        """After an allocating method: hold each KV tensor `instance` now holds (the ledger skips one it holds)."""
         torch: Any = sys.modules.get("torch")
+        tracker = self.tracker
         for attribute in known.tensors:
             tensor = getattr(instance, attribute, None)
-            if torch is None or not isinstance(tensor, torch.Tensor):
+            if tracker is None or torch is None or not isinstance(tensor, torch.Tensor):
                 continue
-            record = self._stored.get(id(tensor))
-            if record is not None and record.ref() is tensor:
-                continue
-            geometry = known.geometry(instance, tensor)  # Python of the class's own: never under the lock
-            nbytes = int(tensor.untyped_storage().nbytes())
-            key = id(tensor)
-            ref = weakref.ref(tensor, lambda _, key=key: self._released(key))  # type: ignore[misc]
-            with self._lock:
-                owner = self._owner_of(geometry)
-                self._stored[key] = _Stored(ref, geometry, nbytes, owner)
-                self._add(owner, nbytes)
-
-    def _released(self, key: int) -> None:
-        with self._lock:
-            record = self._stored.pop(key, None)
-            if record is not None:
-                self._add(record.owner, -record.nbytes)
-
-    def _add(self, owner: str | None, nbytes: int) -> None:
-        name = UNATTRIBUTED_OWNER if owner is None else owner
-        now = self._now[name] = self._now.get(name, 0) + nbytes
-        if now > self._peak.get(name, 0):
-            self._peak[name] = now
+            geometry = known.geometry(instance, tensor)  # Python of the class's own, before the ledger is touched
+            owner = self._owner_of(geometry)
+            if owner is None and self._model is None:
+                self._waiting.append((weakref.ref(tensor), geometry))
+            tracker.hold(tensor, UNATTRIBUTED_OWNER if owner is None else owner, True)
 
     def _owner_of(self, geometry: Geometry) -> str | None:
         """The one declaring owner whose declaration `geometry` matches; None (unattributed) for none or several."""
@@ -197,12 +171,6 @@ class Holders:
             return None
         fitting = [owner for owner, shapes in self._model.declared.items() if geometry in shapes]
         return fitting[0] if len(fitting) == 1 else None
-
-    def take_peaks(self) -> dict[str, int]:
-        """owner -> the most its stored tensors held since the last call (then: what they hold now)."""
-        with self._lock:
-            peaks, self._peak = self._peak, dict(self._now)
-        return peaks
 
     # -- the model --------------------------------------------------------------------------------------------------
 
@@ -218,41 +186,34 @@ class Holders:
             if module is not None:
                 self._owners[path] = weakref.ref(module)
         self._skip = (module_type, cache_base) if cache_base is not None else (module_type,)
-        with self._lock:
-            for record in self._stored.values():
-                owner = self._owner_of(record.geometry) if record.owner is None else None
-                if owner is not None:
-                    self._move(record, owner)
-
-    def _move(self, record: _Stored, owner: str) -> None:
-        """An unattributed tensor named: its bytes, and its part of the unattributed peak, go to `owner`."""
-        self._add(None, -record.nbytes)
-        left = self._now[UNATTRIBUTED_OWNER]
-        self._peak[UNATTRIBUTED_OWNER] = max(left, self._peak.get(UNATTRIBUTED_OWNER, 0) - record.nbytes)
-        if not left and not self._peak[UNATTRIBUTED_OWNER]:
-            del self._now[UNATTRIBUTED_OWNER], self._peak[UNATTRIBUTED_OWNER]
-        record.owner = owner
-        self._add(owner, record.nbytes)
+        waiting, self._waiting = self._waiting, []
+        for ref, geometry in waiting:
+            tensor, owner = ref(), self._owner_of(geometry)
+            if tensor is not None and owner is not None and self.tracker is not None:
+                self.tracker.reown(tensor, owner)
 
     # -- the sample -------------------------------------------------------------------------------------------------
 
-    def tensors(self, pace: Callable[[], None]) -> Iterator[tuple[str, Any, bool]]:
-        """(owner, tensor, stored) for each tensor rule 2 follows (stored) and each rule 1 finds in a declaring
-        owner's state; `pace` is called as the walk goes (the sampler's slices)."""
-        with self._lock:
-            stored = [(record.owner, record.ref) for record in self._stored.values()]
-        for owner, ref in stored:
-            tensor = ref()
-            if tensor is not None:
-                yield (UNATTRIBUTED_OWNER if owner is None else owner), tensor, True
-        model = self._model
-        if model is None:
+    def walk_state(self, pace: Callable[[], None]) -> None:
+        """Hold every tensor rule 1 finds in a declaring owner's state now, and let go of those no longer there;
+        `pace` is called as the walk goes (the sampler's slices)."""
+        model, tracker = self._model, self.tracker
+        if model is None or tracker is None:
             return
+        found: dict[int, weakref.ref[Any]] = {}
         for path, module_ref in self._owners.items():
             module = module_ref()
-            if module is not None:
-                for tensor in self._state_tensors(path, module, model.declared.get(path, frozenset()), pace):
-                    yield path, tensor, False
+            if module is None:
+                continue
+            for tensor in self._state_tensors(path, module, model.declared.get(path, frozenset()), pace):
+                if id(tensor) not in self._state:
+                    tracker.hold(tensor, path, False)
+                found[id(tensor)] = weakref.ref(tensor)
+        for key, ref in self._state.items():
+            gone = ref()
+            if key not in found and gone is not None:
+                tracker.let_go(gone)
+        self._state = found
 
     def _state_tensors(
         self, path: str, module: Any, declared: frozenset[Geometry], pace: Callable[[], None]
@@ -260,7 +221,6 @@ class Holders:
         torch: Any = sys.modules.get("torch")
         if torch is None or not declared:
             return
-        vectors = {(g.dtype, g.kv_heads * g.head_dim) for g in declared}
         skip = (*self._skip, *self._known, type, FunctionType, MethodType, BuiltinFunctionType, ModuleType)
         internals = _module_internals(torch)
         start = [value for name, value in vars(module).items() if name not in internals]
@@ -279,7 +239,7 @@ class Holders:
             if isinstance(value, torch.Tensor):
                 if (
                     not isinstance(value, torch.nn.Parameter)
-                    and _kv_shaped(value, vectors)
+                    and kv_evidence(value, declared)
                     and _storage_key(value) not in self._engine_kv
                 ):
                     yield value
@@ -299,11 +259,18 @@ def _storage_key(tensor: Any) -> tuple[str, int]:
     return str(tensor.device), int(tensor.untyped_storage().data_ptr())
 
 
-def _kv_shaped(tensor: Any, vectors: set[tuple[str, int]]) -> bool:
-    """The dtype of a declaration, and a whole (non-zero) number of its KV vectors."""
-    numel = int(tensor.numel())
+def kv_evidence(tensor: Any, declared: Collection[Geometry]) -> bool:
+    """Whether `tensor`'s shape shows one of the `declared` geometries' K/V layout: its dtype, a last dimension of the
+    head size (K or V alone) or twice it (K and V side by side), and a dimension of the declaration's KV heads before
+    it, with at least three dimensions in all. A whole number of KV vectors alone is no evidence: a hidden-state
+    buffer has that."""
+    shape = tuple(int(size) for size in tensor.shape)
+    if len(shape) < 3 or int(tensor.numel()) == 0:
+        return False
     dtype = _dtype(tensor)
-    return numel > 0 and any(dtype == want and numel % width == 0 for want, width in vectors)
+    return any(
+        dtype == g.dtype and shape[-1] in (g.head_dim, 2 * g.head_dim) and g.kv_heads in shape[:-1] for g in declared
+    )
 
 
 def _dtype(tensor: Any) -> str:
@@ -333,4 +300,4 @@ def _submodule(root: Any, path: str) -> Any:
         return None
 
 
-__all__ = ["KNOWN_CLASSES", "Holders", "KnownClass"]
+__all__ = ["KNOWN_CLASSES", "Holders", "KnownClass", "kv_evidence"]

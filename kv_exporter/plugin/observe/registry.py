@@ -69,8 +69,8 @@ SERVE_POLL_S = 0.002
 # itself): round robin, so each is re-read within live caches / AUDIT_CACHES samples.
 AUDIT_CACHES = 16
 
-# owner -> (bytes, peak, caches), and (owner, reason) -> caches left out.
-Figures = tuple[dict[str, tuple[int, int, int]], dict[tuple[str, UnreadableReason], int]]
+# owner -> (bytes, peak, caches, stored tensors, state tensors), and (owner, reason) -> objects left out.
+Figures = tuple[dict[str, tuple[int, int, int, int, int]], dict[tuple[str, UnreadableReason], int]]
 
 
 class Registry:
@@ -96,12 +96,9 @@ class Registry:
         """A snapshot of the live entries, in creation order."""
         return [] if self.tracker is None else self.tracker.entries()
 
-    def holds(self, pointer: int) -> bool:
-        """Whether a live cache holds the storage at `pointer` (other forms count it once, with the caches)."""
-        return self.tracker is not None and self.tracker.holds(pointer)
-
     def sample(self, pause: Callable[[], None], slice_s: float) -> Figures:
-        """Every owner's figures now, and the most since the last sample (then the next interval starts)."""
+        """Every owner's figures now in every form, and the most since the last sample (then the next interval
+        starts)."""
         tracker = self.tracker
         if tracker is None:
             return {}, {}

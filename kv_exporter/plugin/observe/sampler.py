@@ -1,10 +1,9 @@
-"""What one sample measures beyond the tracker's ledger, and the thread that takes a sample every interval.
+"""How a sample paces its work, and the thread that takes a sample every interval.
 
-The transformers caches' figures come from the tracker's ledger (registry.py, `_tracker.c`): a sample reads only the
-caches that changed since they were last read, in slices of about `SLICE_S` of work with a `PAUSE_S` pause between
-two, so another thread (the model's forward, vLLM's busy loop) never waits for the GIL much longer than a slice. The
-other forms model-local KV takes (holders.py) are walked here, in the same slices, each storage counted once with the
-caches'. Reading is metadata only (`untyped_storage().nbytes()`, `data_ptr()`): no `.item()`, no copy, no device
+Every figure comes from the tracker's ledger (registry.py, `_tracker.c`): a sample reads only what changed since it
+was last read (and a declaring owner's state, holders.py), in slices of about `SLICE_S` of work with a `PAUSE_S`
+pause between two, so another thread (the model's forward, vLLM's busy loop) never waits for the GIL much longer than
+a slice. Reading is metadata only (`untyped_storage().nbytes()`, `data_ptr()`): no `.item()`, no copy, no device
 synchronisation; no cache or tensor is held across a pause.
 """
 
@@ -15,13 +14,9 @@ import multiprocessing.util
 import os
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from kv_exporter.cachebytes import SeenStorages, StorageUnavailable, new_storage_bytes, storage_pointer
-from kv_exporter.observation import Observation, UnreadableReason
-from kv_exporter.plugin.observe.holders import Holders
+from kv_exporter.observation import Observation
 from kv_exporter.plugin.oncelog import warn_once
 
 SLICE_S = 0.0004  # work done between two pauses (a probe thread then waits ~0.1 ms more to wake)
@@ -44,45 +39,6 @@ class Pacer:
             self._pause()
             self.pauses += 1
             self._since = time.perf_counter()
-
-
-@dataclass
-class Totals:
-    """What the other forms hold at the sample, per owner: storage bytes and holding objects (an owner's state is
-    one, however many tensors it holds; a known class's stored tensor one each), of the bytes those in a declaring
-    owner's state and those stored by known cache classes, and the tensors left out by reason."""
-
-    held: dict[str, tuple[int, int]] = field(default_factory=dict)
-    unreadable: Counter[tuple[str, UnreadableReason]] = field(default_factory=Counter)
-    in_state: Counter[str] = field(default_factory=Counter)
-    stored: Counter[str] = field(default_factory=Counter)
-
-    def add(self, owner: str, nbytes: int, objects: int) -> None:
-        held, count = self.held.get(owner, (0, 0))
-        self.held[owner] = (held + nbytes, count + objects)
-
-
-def measure_holders(holders: Holders, held_by_caches: Callable[[int], bool], pace: Callable[[], None]) -> Totals:
-    """The other forms' figures: each storage once among them, and none a tracked cache holds (`held_by_caches`,
-    by data pointer), which the caches' figures count."""
-    seen = SeenStorages()
-    totals = Totals()
-    states: set[str] = set()
-    for owner, tensor, stored in holders.tensors(pace):
-        try:
-            nbytes = 0 if held_by_caches(storage_pointer(tensor)) else new_storage_bytes(tensor, seen)
-        except StorageUnavailable:
-            totals.unreadable[owner, UnreadableReason.NO_STORAGE] += 1
-            continue
-        objects = 1 if stored or owner not in states else 0
-        if not stored:
-            states.add(owner)
-        totals.add(owner, nbytes, objects)
-        (totals.stored if stored else totals.in_state)[owner] += nbytes
-        del tensor
-        pace()
-    seen.clear(pace)
-    return totals
 
 
 class Sampler:
