@@ -37,6 +37,7 @@ LAYERS = 28  # Qwen2.5-7B and Qwen3-TTS talker depth: the layer count sets a sam
 WORKER_FRAMES = 25  # frames under the model's forward in a vLLM worker (busy loop, executor, runner, ...)
 TREE_MODULES = 10_000
 UPDATED = 32  # caches updated and cropped every step in the "updated" arm
+STEP_OPS = 40  # small torch operations per layer: a step of ~10 ms here, as the engine tests' decode step (~9.5 ms)
 SAMPLE_EVERY_S = 1.0  # ten times the default rate
 CREATION_BUDGET_US = 2.0  # added per cache, created in a declarer's code
 UPDATE_BUDGET_US = 5.0  # added per layer update (two K/V assignments) by the high-water mark
@@ -53,7 +54,8 @@ Update: a fresh {LAYERS}-layer DynamicCache given S one-position decode steps (`
 2 heads x 64, fp32): time per layer update with the high-water mark's accounting on against off (its hooks
 removed), interleaved; median over repeats.
 Steps: N live DynamicCaches of {LAYERS} layers (K and V of 2 heads x 4 positions x 64, fp32) and a model thread (the
-main thread) running steps: per layer, a few small torch operations (the step's own work, ~5 ms a step here), and in
+main thread) running steps: per layer, {STEP_OPS} small torch operations (the step's own work, ~10 ms a step here, as
+a decode step of the engine tests' tiny model on these cores), and in
 the "updated" arm one position added to each layer of {UPDATED} of the caches and each of them cropped back after
 the step (a fall, so every step also pays the accounting's catch-ups). Sampling on: the plugin's sampler thread
 samples every {SAMPLE_EVERY_S:g} s, as in a worker; off: no sampler thread, the same hooks. Arms alternate in blocks
@@ -219,7 +221,7 @@ class StepModel:
     def step(self) -> None:
         hidden = self.hidden
         for layer in range(LAYERS):
-            for _ in range(6):
+            for _ in range(STEP_OPS):
                 hidden = torch.tanh(hidden @ self.weight) + hidden
             for cache in self.active:
                 cache.update(self.token, self.token, layer)

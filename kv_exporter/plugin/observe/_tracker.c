@@ -695,6 +695,27 @@ static double seconds(void) {
     return (double)now.tv_sec + (double)now.tv_nsec * 1e-9;
 }
 
+/* Reads what `object` (`r->e`'s cache or tensor) holds into `r`; the owner's tally is known from its first storage. */
+static void read_entry(Tracker *t, PyObject *object, Reading *r) {
+    Entry *e = r->e;
+    if (e->kind == KIND_CACHE) {
+        read_cache(t, object, r);
+    } else {
+        PyObject *first = NULL;
+        r->status = READ_OK;
+        read_tensor(t, object, r, &first);
+        Py_XDECREF(first);
+        if (r->status == READ_FAILED) {
+            fail(t, "reading a tensor");
+            r->status = READ_GONE;
+        }
+    }
+    if (r->status == READ_OK && r->now.len && e->tally < 0 && (e->tally = tally_of(t, owner_of(t, e))) < 0) {
+        fail(t, "an owner's tally");
+        r->status = READ_GONE;
+    }
+}
+
 /* Applies the readings whose caches did not change meanwhile: what each dropped first, then what each holds. */
 static void commit(Tracker *t, Reading *readings, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -757,30 +778,11 @@ static void catch_up(Tracker *t, Entry *final, PyObject *final_cache, PyObject *
         Reading *r = &readings[i];
         Entry *e = r->e;
         PyObject *cache = e == final ? Py_NewRef(final_cache) : entry_cache(e);
-        if (cache == NULL || !e->live) {
+        if (cache == NULL || !e->live)
             r->status = READ_GONE;
-        } else if (e->kind != KIND_CACHE) {
-            PyObject *first = NULL;
-            r->status = READ_OK;
-            read_tensor(t, cache, r, &first);
-            Py_XDECREF(first);
-            if (r->status == READ_FAILED) {
-                fail(t, "reading a tensor");
-                r->status = READ_GONE;
-            }
-            if (r->status == READ_OK && r->now.len && e->tally < 0 && (e->tally = tally_of(t, owner_of(t, e))) < 0) {
-                fail(t, "an owner's tally");
-                r->status = READ_GONE;
-            }
-            storages += (size_t)r->now.len;
-        } else {
-            read_cache(t, cache, r);
-            if (r->status == READ_OK && r->now.len && e->tally < 0 && (e->tally = tally_of(t, owner_of(t, e))) < 0) {
-                fail(t, "an owner's tally");
-                r->status = READ_GONE;
-            }
-            storages += (size_t)r->now.len;
-        }
+        else
+            read_entry(t, cache, r);
+        storages += (size_t)r->now.len;
         Py_XDECREF(cache); /* may release a cache: its finalizer catches up on its own, nested */
         if (pause != NULL && seconds() - since >= slice_s) {
             PyObject *paused = PyObject_CallNoArgs(pause);
