@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import sys
 import threading
 import weakref
 from typing import Any
@@ -236,6 +237,20 @@ def test_a_released_model_leaves_new_caches_waiting_for_the_next_one() -> None:
     assert set(by_owner(sample())) == {UNATTRIBUTED_OWNER}
     observe.attach(replacement, declaring_owners(replacement))
     assert by_owner(sample())["talker"].caches == 1
+
+
+def test_observation_paused_and_resumed_keeps_its_ledger_and_its_owners() -> None:
+    """A worker pausing observation (the registry detached) and resuming it (the cache module patched again) keeps
+    one ledger: caches from before are still counted, and new ones still find their modules."""
+    model = Omni()
+    observe.attach(model, declaring_owners(model))
+    model(steps=1)
+    before = by_owner(sample())["talker"]
+    observe._observer.registry.detach()
+    observe.patch_cache_module(sys.modules[observe.CACHE_MODULE])
+    model(steps=1)
+    after = by_owner(sample())["talker"]
+    assert (after.caches, after.bytes) == (2 * before.caches, 2 * before.bytes)
 
 
 def test_a_sample_holds_no_cache_while_it_pauses() -> None:

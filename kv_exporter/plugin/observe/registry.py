@@ -200,8 +200,9 @@ class Registry:
             name = cache_base.__qualname__
             self.mark_unavailable(f"weakref:{name}", f"{name} cannot be weakly referenced; nothing is tracked")
             return False
-        torch: Any = sys.modules["torch"]
-        self.tracker = Tracker(self, UNATTRIBUTED_OWNER, self._wrapped, self._unfollowed, torch.Tensor)
+        if self.tracker is None:  # one ledger for the process: a detached registry installed again keeps it
+            torch: Any = sys.modules["torch"]
+            self.tracker = Tracker(self, UNATTRIBUTED_OWNER, self._wrapped, self._unfollowed, torch.Tensor)
         self.tracker.follows_peaks = self._follows = follow_peaks
         self._stack_modules = StackModules(module_type)
         own_new = cache_base.__dict__.get("__new__")
