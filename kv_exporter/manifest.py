@@ -44,6 +44,7 @@ from kv_exporter.document import (
     json_schema,
 )
 from kv_exporter.dtypes import ITEMSIZE, dtype_itemsize, dtype_name, dtype_problem
+from kv_exporter.engine_memory import EngineMemory
 from kv_exporter.filestat import NotARegularFile, read_regular_file
 from kv_exporter.observation import Observation
 from kv_exporter.printable import printable
@@ -52,8 +53,8 @@ from kv_exporter.protocol import ModelLocalKVScope, RowDriver, kv_row_bytes
 
 # Versions this reader accepts; writers write the newest. 2 added `pod` and `observation`; 3 the observation's
 # per-owner `peak_bytes` and its `unreadable` caches; 4 the allocator's peak, high-water bounds, retries, OOMs and
-# end-of-warm-up figures, and why there are none.
-SchemaVersion = Literal[1, 2, 3, 4]
+# end-of-warm-up figures, and why there are none; 5 the allocator's per-process cap and the engine's own budget.
+SchemaVersion = Literal[1, 2, 3, 4, 5]
 SCHEMA_VERSIONS: tuple[int, ...] = typing.get_args(SchemaVersion)
 SCHEMA_VERSION = SCHEMA_VERSIONS[-1]
 SCHEMA_FOLDER = Path(__file__).with_name("schema")
@@ -264,10 +265,13 @@ class Manifest:
     baseline: Baseline = Baseline()
     written_at: Annotated[float, Range(0), Doc("Unix time, seconds")] = field(default_factory=time.time)
     writer_version: Name = __version__
-    schema_version: Annotated[SchemaVersion, VersionField()] = 4
+    schema_version: Annotated[SchemaVersion, VersionField()] = 5
     pod: Annotated[PodInfo, Since(2)] = PodInfo()
     observation: Annotated[
         Observation | None, Since(2), Doc("what the worker's live caches held at its last sample; null: not observed")
+    ] = None
+    engine_memory: Annotated[
+        EngineMemory | None, Since(5), Doc("the engine's own KV budget as the worker reads it; null: not readable")
     ] = None
     # Filled in by the reader, not part of the document: why `observation` is None although the file had one.
     observation_problem: ObservationProblem | None = field(default=None, compare=False, metadata=NOT_IN_DOCUMENT)
@@ -346,9 +350,8 @@ def _fsync_directory(folder: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 

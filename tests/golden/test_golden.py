@@ -61,7 +61,7 @@ def write_inputs(folder: Path, served_model: str) -> None:
     write_manifest(folder, replace(reference_manifest(MIMO_AUDIO, max_num_seqs=64, pid=4300), observation=off))
     current = reference_manifest(MINICPM_O, max_num_seqs=8, pid=4400, gpu=1)
     document = json.loads(current.to_json())
-    del document["pod"], document["observation"]
+    del document["pod"], document["observation"], document["engine_memory"]
     path = folder / manifest_filename(current.engine)
     path.write_text(json.dumps({**document, "schema_version": 1}))
     # The same MiniCPM-o engine before its container restarted (another pid namespace, written earlier),
