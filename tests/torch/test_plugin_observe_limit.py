@@ -59,7 +59,9 @@ class OldTorch:
     """A torch without get_per_process_memory_fraction: only the calls older releases had."""
 
     def __init__(self, fake: FakeCuda) -> None:
-        self.is_initialized, self.memory_stats, self.mem_get_info = fake.is_initialized, fake.memory_stats, fake.mem_get_info
+        self.is_initialized = fake.is_initialized
+        self.memory_stats = fake.memory_stats
+        self.mem_get_info = fake.mem_get_info
 
 
 @pytest.mark.usefixtures("observer")
