@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 
 from kv_exporter import filestat
 from kv_exporter.filestat import FileSignature
-from kv_exporter.gpu import GpuMemory, GpuReader, GpuReadError
+from kv_exporter.gpu import GpuReader, GpuReadError
 from kv_exporter.manifest import (
     DEFAULT_LIMITS,
     OBSERVATION_PROBLEM_REASONS,
@@ -268,23 +268,21 @@ def read_gpus(reader: GpuReader | None, entries: Sequence[ManifestEntry]) -> Gpu
     except GpuReadError as exc:
         return GpuResult(enabled=True, source=reader.source, error=exc)
     processes: dict[int, dict[int, int]] = {}
+    comparable: set[int] = set()
     errors = list(scan.errors)
     for device in scan.devices:
-        if not any(_comparable_pid(e, reader, device) for e in entries):
-            continue  # only read per-process figures where a live manifest can be matched
+        mine = [e for e in entries if e.live and e.manifest is not None and on_device(e.manifest, device)]
+        if not mine:
+            continue  # only the GPUs a live manifest sits on: whose processes the projection must account for
+        if any(_comparable_pid(e, reader) for e in mine):
+            comparable.add(device.index)
         try:
             processes[device.index] = reader.process_memory(device.index)
         except GpuReadError as exc:
             errors.append(exc)
-    return GpuResult(True, reader.source, scan.devices, processes, None, tuple(errors))
+    return GpuResult(True, reader.source, scan.devices, processes, frozenset(comparable), None, tuple(errors))
 
 
-def _comparable_pid(entry: ManifestEntry, reader: GpuReader, device: GpuMemory) -> bool:
+def _comparable_pid(entry: ManifestEntry, reader: GpuReader) -> bool:
     m = entry.manifest
-    return (
-        entry.live
-        and m is not None
-        and on_device(m, device)
-        and m.process.pid_namespace is not None
-        and m.process.pid_namespace == reader.pid_namespace
-    )
+    return m is not None and m.process.pid_namespace is not None and m.process.pid_namespace == reader.pid_namespace
