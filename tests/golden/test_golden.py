@@ -43,7 +43,9 @@ WINDOW_ROW = 4_718_592
 
 
 CAP = 30 * GIB
-BUDGET = EngineMemory(kv_cache_bytes=50 * GIB, kv_cache_blocks=3200, gpu_memory_utilization=1.0, extensible_kv_cache=True)
+BUDGET = EngineMemory(
+    kv_cache_bytes=50 * GIB, kv_cache_blocks=3200, gpu_memory_utilization=1.0, extensible_kv_cache=True
+)
 
 
 def observed(taken_at: float) -> Observation:
