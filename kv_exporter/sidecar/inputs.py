@@ -41,7 +41,7 @@ from kv_exporter.sidecar.engine_page import (
 )
 from kv_exporter.sidecar.liveness import State, Verdict, classify
 from kv_exporter.sidecar.observed import FUTURE_TIMESTAMP, ObservedState, worker_state
-from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, on_device
+from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, placement
 from kv_exporter.transport.fetch import Client, timed_out
 
 log = logging.getLogger(__name__)
@@ -270,8 +270,9 @@ def read_gpus(reader: GpuReader | None, entries: Sequence[ManifestEntry]) -> Gpu
     processes: dict[int, dict[int, int]] = {}
     comparable: set[int] = set()
     errors = list(scan.errors)
+    read = GpuResult(True, reader.source, scan.devices)  # where each manifest is placed, by the one rule
     for device in scan.devices:
-        mine = [e for e in entries if e.live and e.manifest is not None and on_device(e.manifest, device)]
+        mine = [e for e in entries if e.live and e.manifest is not None and placement(e.manifest, read).on(device)]
         if not mine:
             continue  # only the GPUs a live manifest sits on: whose processes the projection must account for
         if any(_comparable_pid(e, reader) for e in mine):
