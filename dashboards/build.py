@@ -105,7 +105,8 @@ def variables() -> list[Any]:
             ENGINE[:6],
             "vLLM's data-parallel engine index (vllm-omni's replica)",
         ),
-        chained("gpu", "GPU", "model_local_kv_gpu_memory_total_bytes", HOST, "GPU index as NVML reports it"),
+        # The GPUs the engines' declarations sit on: the GPUs whose figures an exporter reports.
+        chained("gpu", "GPU", DECLARED, HOST, "GPU index as NVML reports it"),
     ]
 
 
