@@ -145,7 +145,7 @@ def _gpu_bar(view: GpuView) -> str:
         )
         + (_item("total", f"{_limit_name(view)} {human_bytes(limit)}") if over or limit < total else "")
         + (
-            _item("overflow", f"over the {_limit_name(view)} by {human_bytes(peak - limit)}")
+            _item("overflow", f"over {_limit_name(view)} by {human_bytes(peak - limit)}")
             if over
             else _item(f"headroom {state.value}", f"headroom {human_bytes(view.headroom)}{share}")
         )
