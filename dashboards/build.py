@@ -20,7 +20,7 @@ from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as model
 from grafana_foundation_sdk.models import prometheus as prom_model
 
-from kv_exporter.sidecar.thresholds import HEADROOM_ALERT_FRACTION
+from kv_exporter.sidecar.thresholds import HEADROOM_MARGIN_FRACTION
 
 UID = "kv-exporter"
 TITLE = "kv-exporter: model-local KV"
@@ -34,7 +34,8 @@ SCHEMA_VERSION = 39
 # is one matcher per label. A scope lists the variables that apply to a family's labels.
 Scope = tuple[str, ...]
 HOST: Scope = ("job", "instance")
-GPU: Scope = (*HOST, "gpu")
+# A GPU's series carry the pod of the engines using it where they share one (none where several do: All keeps them).
+GPU: Scope = (*HOST, "namespace", "pod", "gpu")
 # The worker's pod: two pods of one model on one node (the DaemonSet layout) are two engines to the panels.
 ENGINE: Scope = (*HOST, "namespace", "pod", "model_name", "stage", "engine")
 DECLARATION: Scope = (*ENGINE, "gpu")
@@ -104,7 +105,8 @@ def variables() -> list[Any]:
             ENGINE[:6],
             "vLLM's data-parallel engine index (vllm-omni's replica)",
         ),
-        chained("gpu", "GPU", "model_local_kv_gpu_memory_total_bytes", HOST, "GPU index as NVML reports it"),
+        # The GPUs the engines' declarations sit on: the GPUs whose figures an exporter reports.
+        chained("gpu", "GPU", DECLARED, HOST, "GPU index as NVML reports it"),
     ]
 
 
@@ -189,46 +191,92 @@ def up_stat(title: str, description: str, expr: str, legend: str) -> stat.Panel:
 
 
 GPU_LEGEND = "{{instance}} · GPU {{gpu}}"
+WORKER_LEGEND = "{{instance}} {{pod}} · {{model_name}} s{{stage}} e{{engine}} · GPU {{gpu}}"
+WORKER_KEY = "job, instance, namespace, pod, model_name, stage, engine, gpu, UUID"
 ENGINE_LEGEND = "{{instance}} {{pod}} · {{model_name}} s{{stage}} e{{engine}}"
 DASHED = [model.DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]})]
 
 
 def gpu_row() -> list[Panel]:
     memory = graph(
-        "GPU memory: used, projected peak, total",
+        "GPU memory: used, projected peak, limit, total",
         "Used is NVML's figure now. Projected peak adds every live declaration's ceiling minus its estimate: "
-        "the memory the GPU needs once each running engine reaches max_num_seqs.",
+        "the memory the GPU needs once each running engine reaches max_num_seqs. Limit is where the first limit is "
+        "met: the total, or sooner where a worker's allocator cap binds (vLLM 0.34). Each GPU is reported by the "
+        "one exporter whose engines use it.",
         "bytes",
         [
             query(sel("model_local_kv_gpu_memory_used_bytes", GPU), f"used · {GPU_LEGEND}", "A"),
             query(sel("model_local_kv_gpu_projected_peak_bytes", GPU), f"projected peak · {GPU_LEGEND}", "B"),
             query(sel("model_local_kv_gpu_memory_total_bytes", GPU), f"total · {GPU_LEGEND}", "C"),
+            query(sel("model_local_kv_gpu_limit_bytes", GPU), f"limit · {GPU_LEGEND}", "D"),
         ],
-    ).override_by_regexp("^total.*", DASHED)
+    ).override_by_regexp("^(total|limit).*", DASHED)
     share = single(
-        "Headroom at the projected peak, share of total",
-        "(Total - projected peak) / total. Colours as the shipped alerts: red below 0 "
-        f"(ModelLocalKVProjectedPeakAboveGPUMemory), orange below {HEADROOM_ALERT_FRACTION:.0%} "
+        "Headroom at the projected peak, share of the declared model-local KV",
+        "Headroom to the limit met first / the model-local KV declared on the GPU. Colours as the shipped alerts: "
+        f"red below 0 (ModelLocalKVProjectedPeakAboveGPUMemory), orange below {HEADROOM_MARGIN_FRACTION:.0%} "
         "(ModelLocalKVHeadroomLow, shipped default; an override in your own rule file is not reflected here).",
         "percentunit",
-        f"{sel('model_local_kv_gpu_headroom_bytes', GPU)} / {sel('model_local_kv_gpu_memory_total_bytes', GPU)}",
+        f"{sel('model_local_kv_gpu_headroom_bytes', GPU)} / {sel('model_local_kv_gpu_declared_ceiling_bytes', GPU)}",
         GPU_LEGEND,
-    ).thresholds(thresholds((None, "red"), (0, "orange"), (HEADROOM_ALERT_FRACTION, "green")))
+    ).thresholds(thresholds((None, "red"), (0, "orange"), (HEADROOM_MARGIN_FRACTION, "green")))
     headroom = single(
         "Headroom at the projected peak",
-        "Total minus projected peak; negative means the GPU cannot hold the declared KV at max_num_seqs.",
+        "The limit met first (the total, or a worker's allocator cap) minus the projected peak; negative means the "
+        "GPU cannot hold the declared KV at max_num_seqs.",
         "bytes",
         sel("model_local_kv_gpu_headroom_bytes", GPU),
         GPU_LEGEND,
     ).thresholds(thresholds((None, "blue")))
     safe = single(
         "Safe max_num_seqs",
-        "Largest max_num_seqs whose projected peak still fits on the GPU.",
+        "Largest max_num_seqs whose projected peak still fits on the GPU and under every worker's allocator cap.",
         "none",
         sel("model_local_kv_gpu_safe_max_num_seqs", GPU),
         GPU_LEGEND,
     ).thresholds(thresholds((None, "blue")))
-    return [memory.height(9).span(24), share.height(5).span(8), headroom.height(5).span(8), safe.height(5).span(8)]
+    went = graph(
+        "Where the memory went, per engine",
+        "The engine's own paged KV cache as its workers read it (vLLM's budget; an extensible cache's committed "
+        "pages) beside the model-local KV its owners hold (observed), per engine and GPU; NVML's used above. Where "
+        "torch's allocator is capped (vLLM 0.34) the worker's cap and headroom are model_local_kv_worker_* "
+        "(docs/metrics.md).",
+        "bytes",
+        [
+            query(sel("model_local_kv_engine_kv_cache_bytes", DECLARATION), f"engine KV cache · {WORKER_LEGEND}", "A"),
+            query(
+                f"sum by ({WORKER_KEY}) ({sel('model_local_kv_observed_bytes', DECLARATION)})",
+                f"model-local observed · {WORKER_LEGEND}",
+                "B",
+            ),
+        ],
+    )
+    binding = single(
+        "Limit met first",
+        "Which limit the projected peak meets first: device (the GPU's memory) or worker (a worker's allocator cap, "
+        "vLLM 0.34's extensible KV cache); the headroom and the alerts are to that limit.",
+        "none",
+        f"{sel('model_local_kv_gpu_limit_binding', GPU)} == 1",
+        f"{GPU_LEGEND} · {{{{limit}}}}",
+    ).thresholds(thresholds((None, "blue")))
+    shared = single(
+        "Processes no manifest accounts for",
+        "Compute processes on the GPU that are not this exporter's engines' workers: above 0 the GPU is not projected "
+        "here (engines of several pods on one GPU are the node-wide exporter's, docs/deploy.md).",
+        "none",
+        sel("model_local_kv_gpu_other_processes", GPU),
+        GPU_LEGEND,
+    ).thresholds(thresholds((None, "green"), (1, "orange")))
+    return [
+        memory.height(9).span(24),
+        share.height(5).span(5),
+        headroom.height(5).span(5),
+        safe.height(5).span(5),
+        binding.height(5).span(5),
+        shared.height(5).span(4),
+        went.height(9).span(24),
+    ]
 
 
 def kv_row() -> list[Panel]:

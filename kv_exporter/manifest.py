@@ -44,15 +44,17 @@ from kv_exporter.document import (
     json_schema,
 )
 from kv_exporter.dtypes import ITEMSIZE, dtype_itemsize, dtype_name, dtype_problem
+from kv_exporter.engine_memory import EngineMemory
 from kv_exporter.filestat import NotARegularFile, read_regular_file
-from kv_exporter.observation import Observation, read_allocator, read_observation
+from kv_exporter.observation import Observation, ObservationProblem, read_allocator, read_observation
 from kv_exporter.printable import printable
 from kv_exporter.procfs import current_pid_namespace, process_start_ticks
 from kv_exporter.protocol import ModelLocalKVScope, RowDriver, kv_row_bytes
 
 # Versions this reader accepts; writers write the newest. 2 added `pod` and `observation`; 3 the observation's
 # per-owner `peak_bytes` and its `unreadable` caches; 4 the allocator's peak, high-water bounds, retries, OOMs and
-# end-of-warm-up figures, and why there are none; 5 the unreadable reason `not_followed`.
+# end-of-warm-up figures, and why there are none; 5 the unreadable reason `not_followed`, the allocator's
+# per-process cap and the engine's own budget.
 SchemaVersion = Literal[1, 2, 3, 4, 5]
 SCHEMA_VERSIONS: tuple[int, ...] = typing.get_args(SchemaVersion)
 SCHEMA_VERSION = SCHEMA_VERSIONS[-1]
@@ -237,14 +239,6 @@ class PodInfo:
 
 
 @dataclass(frozen=True)
-class ObservationProblem:
-    """Why a manifest's observation was not used: it alone is refused, the declarations are still read."""
-
-    reason: str
-    detail: str
-
-
-@dataclass(frozen=True)
 class Baseline:
     """The worker's GPU memory when the manifest was written, where measurable."""
 
@@ -268,6 +262,9 @@ class Manifest:
     pod: Annotated[PodInfo, Since(2)] = PodInfo()
     observation: Annotated[
         Observation | None, Since(2), Doc("what the worker's live caches held at its last sample; null: not observed")
+    ] = None
+    engine_memory: Annotated[
+        EngineMemory | None, Since(5), Doc("the engine's own KV budget as the worker reads it; null: not readable")
     ] = None
     # Filled in by the reader, not part of the document: why `observation` is None although the file had one, and
     # why its allocator figures (`observation.cuda`) are although it had them.
@@ -348,9 +345,8 @@ def _fsync_directory(folder: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 

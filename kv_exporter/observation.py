@@ -59,6 +59,15 @@ class CudaUnavailable(str, Enum):
     STATS_FAILED = "stats_failed"  # torch.cuda.memory_stats raised (warned once in the worker's log)
 
 
+class AllocatorLimitAbsent(str, Enum):
+    """Why allocator figures come without a per-process cap (a metric label). Without figures at all, the reason is
+    `CudaUnavailable`'s."""
+
+    NO_CAP = "no_cap"  # get_per_process_memory_fraction answers 1.0: none was set (or the whole device was allowed)
+    UNSUPPORTED = "unsupported"  # a torch without get_per_process_memory_fraction
+    READ_FAILED = "read_failed"  # the call raised (warned once in the worker's log)
+
+
 @dataclass(frozen=True)
 class OwnerObservation:
     """One owner's live caches: storage bytes (each storage counted once) and how many cache objects hold them.
@@ -131,6 +140,17 @@ class CudaMemory:
     alloc_retries: Annotated[Count, _DETAILED, Doc("allocations that failed, freed the cache and were retried")] = 0
     ooms: Annotated[Count, _DETAILED, Doc("allocations that failed for good: out of memory")] = 0
     warm: Annotated[CudaWarm | None, _DETAILED, Doc("at the end of warm-up; null before it or where unseen")] = None
+    limit_bytes: Annotated[
+        Bytes | None,
+        Since(5),
+        Doc(
+            "the allocator's per-process cap (torch.cuda.get_per_process_memory_fraction x the device's total): an "
+            "allocation that would take reserved_bytes past it fails; null where none is set (why: limit_absent)"
+        ),
+    ] = None
+    limit_absent: Annotated[
+        AllocatorLimitAbsent | None, Since(5), Doc("why limit_bytes is null; null when it is set")
+    ] = None
 
     def contradiction(self, schema_version: int) -> str:
         """What torch's allocator could never report together ("": nothing): more allocated than reserved, or, in a
@@ -144,6 +164,8 @@ class CudaMemory:
             return f"peak_bytes {self.peak_bytes} < allocated_bytes {self.allocated_bytes}"
         if self.high_water_bytes < self.high_water_floor_bytes:
             return f"high_water_bytes {self.high_water_bytes} < high_water_floor_bytes {self.high_water_floor_bytes}"
+        if self.limit_bytes is not None and self.limit_absent is not None:
+            return f"limit_bytes {self.limit_bytes} with a reason for its absence ({self.limit_absent.value})"
         return ""
 
 
@@ -165,6 +187,14 @@ class Observation:
     cuda_unavailable: Annotated[
         CudaUnavailable | None, _DETAILED, Doc("why `cuda` is null; null when it is set (or observation is off)")
     ] = None
+
+
+@dataclass(frozen=True)
+class ObservationProblem:
+    """Why a manifest's observation (or its allocator figures alone) was not used; the declarations are still read."""
+
+    reason: str
+    detail: str
 
 
 def read_observation(raw: object, version: int) -> Observation:

@@ -15,6 +15,9 @@ own python3 and packages):
    device, as the hook writes it: the GPU label it exports must be NVML's index for the UUID torch reports, and
    the per-process figure NVML gives for this pid is printed beside torch's reserved memory; NVML's version 1 and 2
    memory figures side by side, and the reserved memory (v2) must be exported apart, used as DCGM exports it.
+4. The allocator's per-process cap, as vLLM 0.34 sets it (scripts/gpu_proof_cap.py): caches grow toward it, and the
+   worker headroom and safe max_num_seqs the sidecar exports predict the sequence torch refuses, within one, while
+   NVML still shows the device free.
 A table is printed; a failed check exits 1. Without a CUDA device it says so and exits 0. `--device cpu` runs
 part 1 only, without the allocator column (the script's own test runs it so, where there is no GPU).
 """
@@ -35,6 +38,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from scripts.gpu_proof_cap import allocator_cap
 
 REPO = Path(__file__).resolve().parent.parent
 # torch's caching allocator serves a block of more than 1 MiB from a cached segment without splitting off a
@@ -84,7 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         print_table(rows)
         return [f"{row.case}: {name}" for row in rows for name, ok in row.checks() if not ok]
 
-    parts = [caches, lambda: raw_pool(torch), lambda: allocator_figures(torch), lambda: sidecar_on_nvml(torch)]
+    parts = [
+        caches,
+        lambda: raw_pool(torch),
+        lambda: allocator_figures(torch),
+        lambda: sidecar_on_nvml(torch),
+        lambda: allocator_cap(torch, scrape_sidecar),
+    ]
     failed = [failure for part in parts[: 1 if args.device == "cpu" else None] for failure in isolated(part)]
     for failure in failed:
         print(f"FAILED {failure}")

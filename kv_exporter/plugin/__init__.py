@@ -26,6 +26,9 @@ __all__ = ["HOOKS", "register"]
 
 LOAD_METHOD = "load_model"
 WARMUP_METHOD = "compile_or_warm_up_model"
+# vLLM 0.34's extensible KV cache: sized at the end of warm-up, its pages committed by this call on every worker
+# after warm-up returns (EngineCore), so the warm-up manifest is written when it returns instead.
+EXTEND_METHOD = "extend_kv_cache"
 
 
 def _on_load(runner: Any) -> None:
@@ -36,6 +39,22 @@ def _on_load(runner: Any) -> None:
 
 
 def _on_warmup(worker: Any) -> None:
+    if extends_after_warmup(worker):
+        return  # what warm-up left is not final yet: published by _on_extend
+    _publish_warm(worker)
+
+
+def _on_extend(worker: Any) -> None:
+    _publish_warm(worker)
+
+
+def extends_after_warmup(worker: Any) -> bool:
+    """Whether the engine commits the worker's KV cache after warm-up (vLLM 0.34's extensible KV cache)."""
+    cache = getattr(worker, "cache_config", None)
+    return getattr(cache, "enable_extensible_kv_cache", None) is True and callable(getattr(worker, EXTEND_METHOD, None))
+
+
+def _publish_warm(worker: Any) -> None:
     from kv_exporter.manifest import Phase
     from kv_exporter.plugin.publish import publish
 
@@ -54,13 +73,20 @@ def _worker(module: str, *classes: str) -> MethodHook:
     return MethodHook(module, classes, WARMUP_METHOD, _on_warmup)
 
 
+def _extending_worker(module: str, *classes: str) -> MethodHook:
+    return MethodHook(module, classes, EXTEND_METHOD, _on_extend)
+
+
 # Base classes per module. Their subclasses (vllm-omni's GPUARModelRunner, GPUGenerationWorker, ...) are
 # wrapped from the bases' __init__, so listing vllm-omni's own base is belt and braces, not a requirement.
 HOOKS: tuple[MethodHook, ...] = (
     _runner("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
-    # Model Runner V2: a separate class tree, vLLM 0.32's default on GPUs with Triton (VLLM_USE_V2_MODEL_RUNNER);
-    # its CPU and multimodal-encoder runners subclass it.
+    # Model Runner V2: a separate class tree, vLLM 0.32's default on GPUs with Triton (VLLM_USE_V2_MODEL_RUNNER) and
+    # vLLM 0.34's only runner (the V1 modules are gone); its CPU runners (0.34: vllm.v1.worker.cpu.model_runner) and
+    # multimodal-encoder runners subclass it, and are hooked from its __init__.
     _runner("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
+    # vLLM 0.34's runner for CPUs without Triton other than x86: its own class tree, loading without super().
+    _runner("vllm.v1.worker.cpu.standalone_model_runner", "StandaloneCPUModelRunner"),
     # Overrides load_model without calling super(): wrapping only GPUModelRunner would never fire on CPU.
     _runner("vllm.v1.worker.cpu_model_runner", "CPUModelRunner"),
     _runner("vllm_omni.worker.gpu_model_runner", "OmniGPUModelRunner"),
@@ -68,6 +94,7 @@ HOOKS: tuple[MethodHook, ...] = (
     # super() and then keeps setting up, so the outermost call publishes after it.
     _runner("vllm_omni.worker_v2.omni_model_runner", "OmniGPUModelRunner"),
     _worker("vllm.v1.worker.gpu_worker", "Worker"),
+    _extending_worker("vllm.v1.worker.gpu_worker", "Worker"),
     _worker("vllm.v1.worker.cpu_worker", "CPUWorker"),
     _worker("vllm_omni.worker.base", "OmniGPUWorkerBase"),
 )

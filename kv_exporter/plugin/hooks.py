@@ -96,21 +96,33 @@ def wrap_mro(cls: type, method: str, after: Callback) -> None:
             wrap_class_method(klass, method, after)
 
 
+# On a wrapped `__init__`: the (method, callback) pairs whose MRO it completes (several hooks may share one class).
+_INIT_METHODS = "__kv_exporter_methods__"
+
+
 def _wrap_init(cls: type, method: str, after: Callback) -> None:
     """Make `cls.__init__` complete the MRO wrapping for the concrete class before anything else runs."""
     original = cls.__dict__.get("__init__")
-    if original is None or is_wrapped(original):
+    if original is None:
         return
+    if is_wrapped(original):
+        listed = getattr(original, _INIT_METHODS, None)
+        if listed is not None and (method, after) not in listed:
+            listed.append((method, after))
+        return
+    methods: list[tuple[str, Callback]] = [(method, after)]
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            wrap_mro(type(self), method, after)
-        except Exception as exc:  # never in the way of constructing the runner
-            warn_once(f"wrap:{method}", "kv-exporter: could not hook %s.%s: %r", type(self).__name__, method, exc)
+        for name, callback in methods:
+            try:
+                wrap_mro(type(self), name, callback)
+            except Exception as exc:  # never in the way of constructing the runner
+                warn_once(f"wrap:{name}", "kv-exporter: could not hook %s.%s: %r", type(self).__name__, name, exc)
         original(self, *args, **kwargs)
 
     setattr(__init__, WRAPPED_MARK, True)
+    setattr(__init__, _INIT_METHODS, methods)
     cls.__init__ = __init__  # type: ignore[misc]
 
 

@@ -22,7 +22,7 @@ from kv_exporter.manifest import (
     write_manifest,
 )
 from kv_exporter.observation import Observation
-from kv_exporter.plugin import baseline, identity, observe
+from kv_exporter.plugin import baseline, identity, kv_budget, observe
 from kv_exporter.plugin.collect import collect, to_declarations
 from kv_exporter.plugin.forksafe import ForkSafeLock
 from kv_exporter.plugin.oncelog import logger, warn_once
@@ -80,6 +80,7 @@ def build_manifest(runner: Any, phase: Phase, settings: HookSettings, reader: Gp
         baseline=base,
         pod=identity.pod_info(),
         observation=observe.observe(warm_up_ended=phase is Phase.WARMUP),
+        engine_memory=kv_budget.engine_memory(runner),
     )
     try:  # the sidecar reads strictly: say here, once, if it is going to reject this file
         parse_manifest(manifest.to_json().encode(), "<kv-exporter hook>")

@@ -19,6 +19,7 @@ the same rule. The rule depends only on the files and the pages, so the same one
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from kv_exporter.manifest import Manifest, PodInfo
 from kv_exporter.observation import CUDA_DETAILS_SINCE
 from kv_exporter.sidecar.engine_page import EngineKey
+from kv_exporter.sidecar.limits import absent_reason
 from kv_exporter.sidecar.observed import ObservedState, cuda_unavailable_reason
 from kv_exporter.sidecar.records import ManifestEntry, engine_key
 
@@ -33,7 +35,9 @@ from kv_exporter.sidecar.records import ManifestEntry, engine_key
 # bytes, peak bytes where followed, cache objects, unexplained bytes; and one per reason its unreadable caches have),
 # and the per-engine ones: running, max_num_seqs, up, manifests, one observation state per state, its age, and the
 # allocator's figures (at most nine: allocated, reserved, peak, two high-water bounds, retries, OOMs, warm-up
-# allocated, unexplained growth) or the reason there are none.
+# allocated, unexplained growth) or the reason there are none; the allocator's cap and the worker's headroom under it
+# (or the reason there is no cap), and the engine's own budget (at most four: KV bytes and blocks, utilization,
+# extensible mode).
 SERIES_PER_DECLARATION = 5
 SERIES_PER_OWNER = 4
 _ENGINE_SERIES = 4 + 1  # the four engine gauges and the observation age: labelled by engine and pod
@@ -123,7 +127,8 @@ def _cost(manifest: Manifest) -> Cost:
     unreadable = manifest.observation.unreadable if manifest.observation else ()
     per_unreadable = sum(where + label_size(u.owner) + len(u.reason.value) for u in unreadable)
     cuda = _cuda_cost(manifest, engine, where)
-    per_engine = (_ENGINE_SERIES + len(ObservedState)) * engine + _STATE_BYTES + cuda.label_bytes
+    limit = _limit_cost(manifest, where)
+    per_engine = (_ENGINE_SERIES + len(ObservedState)) * engine + _STATE_BYTES + cuda.label_bytes + limit.label_bytes
     series = (
         SERIES_PER_DECLARATION * len(manifest.declarations)
         + owner_series * len(owners)
@@ -131,6 +136,7 @@ def _cost(manifest: Manifest) -> Cost:
         + _ENGINE_SERIES
         + len(ObservedState)
         + cuda.series
+        + limit.series
     )
     return Cost(series, declarations + per_owner + per_unreadable + per_engine)
 
@@ -146,6 +152,21 @@ def _cuda_cost(manifest: Manifest, engine: int, where: int) -> Cost:
     if manifest.schema_version >= CUDA_DETAILS_SINCE:
         series += _CUDA_DETAIL_SERIES + (_CUDA_WARM_SERIES if cuda.warm is not None else 0)
     return Cost(series, series * where)
+
+
+def _limit_cost(manifest: Manifest, where: int) -> Cost:
+    """The allocator cap's series (cap and headroom, or why there is none) and the engine budget's, by engine and
+    GPU; counted as if the observation were fresh (they are exported only then): an upper bound."""
+    observation, budget = manifest.observation, manifest.engine_memory
+    fields = () if budget is None else (getattr(budget, f.name) for f in dataclasses.fields(budget))
+    budget_series = sum(value is not None for value in fields)
+    cost = Cost(budget_series, budget_series * where)
+    if observation is None:
+        return cost
+    reason = absent_reason(manifest)
+    if reason is None:
+        return Cost(cost.series + 2, cost.label_bytes + 2 * where)
+    return Cost(cost.series + 1, cost.label_bytes + where + len(reason))
 
 
 def page_engine_cost(key: EngineKey) -> Cost:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from kv_exporter.engine_memory import EngineMemory
 from kv_exporter.gpu import GpuMemory, GpuScan, SimulatedGpu
 from kv_exporter.manifest import (
     Declaration,
@@ -33,7 +34,7 @@ from kv_exporter.manifest import (
     ProcessInfo,
     write_manifest,
 )
-from kv_exporter.observation import Observation, ObservationState, OwnerObservation
+from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation
 from kv_exporter.reference import MING_FLASH_OMNI, QWEN3_TTS, REFERENCE_MODELS, ReferenceModel
 from kv_exporter.sidecar.app import DEFAULT_TELEMETRY_PATH, ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
@@ -54,6 +55,12 @@ PEAK_STEP_S = 0.1  # the demo's "steps": how finely its peak between samples is 
 # Where the demo's caches hold other than their declarations say (everything else holds exactly the declared rows).
 STORED_POSITIONS = {QWEN3_TTS.model_name: 72}  # a sliding layer's storage keeps the whole window
 UNDECLARED = {MING_FLASH_OMNI.model_name: ("talker.vocoder", 8 << 20)}  # owner, bytes: one cache, never declared
+# Each demo engine as vLLM 0.34 runs it: its KV cache sized after warm-up (extensible), its allocator capped at what it
+# reserves for weights, activations and graphs, plus its declared ceiling, plus DEMO_CAP_ROOM.
+DEMO_KV_CACHE = 12 * GIB
+DEMO_KV_BLOCK = 2 << 20
+DEMO_TORCH_BASE = 6 * GIB
+DEMO_CAP_ROOM = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,13 @@ class DemoEngine:
             OwnerObservation(owner, size, caches, max(size, peak[owner][0]))
             for owner, (size, caches) in at_sample.items()
         )
+
+    def cuda(self, held: tuple[OwnerObservation, ...]) -> CudaMemory:
+        """torch's allocator in this engine's worker: its base plus what the caches hold, under its cap."""
+        reserved = DEMO_TORCH_BASE + sum(owner.bytes for owner in held)
+        ceiling = sum(Declaration.from_spec(o, s).peak_bytes(self.max_num_seqs) for o, s in self.model.declarations)
+        limit = DEMO_TORCH_BASE + ceiling + DEMO_CAP_ROOM
+        return CudaMemory(reserved, reserved, reserved, reserved, reserved, limit_bytes=max(limit, reserved))
 
     def _held_at(self, running: int) -> dict[str, list[int]]:
         owners: dict[str, list[int]] = {}
@@ -122,6 +136,7 @@ def demo_manifest(engine: DemoEngine, gpu: SimulatedGpu) -> Manifest:
         phase=Phase.WARMUP,
         collector="kv_exporter",
         declarations=tuple(Declaration.from_spec(owner, spec) for owner, spec in engine.model.declarations),
+        engine_memory=EngineMemory(DEMO_KV_CACHE, DEMO_KV_CACHE // DEMO_KV_BLOCK, 1.0, True),
     )
 
 
@@ -178,7 +193,10 @@ class Observer:
         now = self.clock()
         for engine, manifest in self.manifests:
             held = engine.held(now)
-            sample = Observation(ObservationState.OK, "", DEMO_OBSERVE_INTERVAL_S, now, 0.0, held, peaks_followed=True)
+            cuda = engine.cuda(held)
+            sample = Observation(
+                ObservationState.OK, "", DEMO_OBSERVE_INTERVAL_S, now, 0.0, held, cuda, peaks_followed=True
+            )
             write_manifest(self.folder, replace(manifest, observation=sample, written_at=now))
 
     def start(self) -> None:

@@ -6,40 +6,38 @@ from collections.abc import Iterable, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kv_exporter.manifest import PodInfo
 from kv_exporter.sidecar.buildinfo import build_info
 from kv_exporter.sidecar.declared import Declared, PlacedDeclaration, declared
-from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.exposition import CounterRows, GaugeRows
+from kv_exporter.sidecar.labels import (
+    DECLARATION_LABELS,
+    ENGINE_GPU_LABELS,
+    ENGINE_LABELS,
+    GPU_LABELS,
+    INFO_EXTRA_LABELS,
+    OWNER_LABELS,
+    gpu_labels,
+)
+from kv_exporter.sidecar.labels import (
+    engine_labels as _engine,
+)
+from kv_exporter.sidecar.labels import (
+    pod_labels as _pod,
+)
+from kv_exporter.sidecar.memory_families import limit_families
 from kv_exporter.sidecar.observed import Observed, ObservedState
 from kv_exporter.sidecar.records import PageResult
 from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, Snapshot
 
 # -- metric families -----------------------------------------------------------------------------------------
 
-# The worker's pod, as kube-state-metrics and dcgm-exporter name it ("" outside Kubernetes).
-POD_LABELS = ("pod", "namespace", "container")
-DECLARATION_LABELS = ("model_name", "stage", "engine", "owner", "cache", "scope", "driver", "gpu", "UUID", *POD_LABELS)
-INFO_EXTRA_LABELS = ("dtype", "capacity_source", "rows_fixed", "rows_reason", "allocation_note")
-ENGINE_LABELS = ("model_name", "stage", "engine", *POD_LABELS)
-OWNER_LABELS = ("model_name", "stage", "engine", "owner", "gpu", "UUID", *POD_LABELS)
-ENGINE_GPU_LABELS = ("model_name", "stage", "engine", "gpu", "UUID", *POD_LABELS)
-GPU_LABELS = ("gpu", "UUID", "source")
-
 SAFE_MAX_NUM_SEQS_HELP = (
     "Largest max_num_seqs M (the same for every engine on this GPU) with NVML used + sum over its "
     "live max_num_seqs-driven declarations of bytes_per_row * max(0, M - rows held) <= total, rows held being "
-    "the estimated rows and those an owner already holds beyond them. Assumes NVML used already holds the held "
-    "and fixed rows and nothing else on the GPU grows."
+    "the estimated rows and those an owner already holds beyond them, and for each worker whose allocator is capped, "
+    "reserved + its own such growth <= its cap. Assumes NVML used already holds the held and fixed rows and nothing "
+    "else on the GPU grows."
 )
-
-
-def _pod(pod: PodInfo) -> tuple[str, str, str]:
-    return (pod.name or "", pod.namespace or "", pod.container or "")
-
-
-def _engine(key: EngineKey) -> tuple[str, str, str]:
-    return (key.model_name, str(key.stage), str(key.engine))
 
 
 def _declaration_labels(placed: PlacedDeclaration) -> tuple[str, ...]:
@@ -179,12 +177,15 @@ def gpu_families(gpus: Sequence[GpuView]) -> list[Metric]:
     )
     headroom = GaugeRows(
         "model_local_kv_gpu_headroom_bytes",
-        "total - projected peak (negative: it would not fit).",
+        "What the projected peak leaves before the limit it meets first: the device's total, or a worker's allocator "
+        "cap (model_local_kv_worker_headroom_bytes); negative: it would not fit.",
         GPU_LABELS,
     )
     safe = GaugeRows("model_local_kv_gpu_safe_max_num_seqs", SAFE_MAX_NUM_SEQS_HELP, GPU_LABELS)
     for view in gpus:
-        labels = (str(view.memory.index), view.memory.uuid, view.source)
+        if not view.projected:  # another pod's processes share it: the node-wide exporter's (memory_families)
+            continue
+        labels = gpu_labels(view)
         total.add_metric(labels, view.memory.total)
         used.add_metric(labels, view.memory.used)
         free.add_metric(labels, view.memory.free)
@@ -423,5 +424,6 @@ def families(snapshot: Snapshot, declarations: DeclarationFamilies | None = None
         *engine_families(snapshot.engines, snapshot.pages),
         *gpu_families(snapshot.gpus),
         *observed_families(snapshot.observed),
+        *limit_families(snapshot),
         *exporter_families(snapshot),
     ]

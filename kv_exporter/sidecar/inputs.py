@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from kv_exporter import filestat
 from kv_exporter.filestat import FileSignature
-from kv_exporter.gpu import GpuMemory, GpuReader, GpuReadError
+from kv_exporter.gpu import GpuReader, GpuReadError
 from kv_exporter.manifest import (
     DEFAULT_LIMITS,
     OBSERVATION_PROBLEM_REASONS,
@@ -44,7 +44,7 @@ from kv_exporter.sidecar.engine_page import (
 )
 from kv_exporter.sidecar.liveness import State, Verdict, classify
 from kv_exporter.sidecar.observed import FUTURE_TIMESTAMP, ObservedState, worker_state
-from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, engine_key, on_device
+from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, engine_key, placement
 from kv_exporter.transport.fetch import Client, timed_out
 
 log = logging.getLogger(__name__)
@@ -298,23 +298,22 @@ def read_gpus(reader: GpuReader | None, entries: Sequence[ManifestEntry]) -> Gpu
     except GpuReadError as exc:
         return GpuResult(enabled=True, source=reader.source, error=exc)
     processes: dict[int, dict[int, int]] = {}
+    comparable: set[int] = set()
     errors = list(scan.errors)
+    read = GpuResult(True, reader.source, scan.devices)  # where each manifest is placed, by the one rule
     for device in scan.devices:
-        if not any(_comparable_pid(e, reader, device) for e in entries):
-            continue  # only read per-process figures where a live manifest can be matched
+        mine = [e for e in entries if e.live and e.manifest is not None and placement(e.manifest, read).on(device)]
+        if not mine:
+            continue  # only the GPUs a live manifest sits on: whose processes the projection must account for
+        if any(_comparable_pid(e, reader) for e in mine):
+            comparable.add(device.index)
         try:
             processes[device.index] = reader.process_memory(device.index)
         except GpuReadError as exc:
             errors.append(exc)
-    return GpuResult(True, reader.source, scan.devices, processes, None, tuple(errors))
+    return GpuResult(True, reader.source, scan.devices, processes, frozenset(comparable), None, tuple(errors))
 
 
-def _comparable_pid(entry: ManifestEntry, reader: GpuReader, device: GpuMemory) -> bool:
+def _comparable_pid(entry: ManifestEntry, reader: GpuReader) -> bool:
     m = entry.manifest
-    return (
-        entry.live
-        and m is not None
-        and on_device(m, device)
-        and m.process.pid_namespace is not None
-        and m.process.pid_namespace == reader.pid_namespace
-    )
+    return m is not None and m.process.pid_namespace is not None and m.process.pid_namespace == reader.pid_namespace

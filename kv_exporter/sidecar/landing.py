@@ -14,14 +14,16 @@ from collections.abc import Iterable, Sequence
 
 from kv_exporter import __version__
 from kv_exporter.printable import printable
+from kv_exporter.sidecar.limits import BINDING_DEVICE
 from kv_exporter.sidecar.observed import EngineObservation, ObservedState, OwnerView
 from kv_exporter.sidecar.records import ManifestEntry
 from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, Snapshot
 from kv_exporter.sidecar.thresholds import (
-    HEADROOM_ALERT_FRACTION,
+    HEADROOM_MARGIN_FRACTION,
     UNEXPLAINED_ALERT_FRACTION,
     HeadroomState,
     exceeds_declaration,
+    headroom_margin,
     headroom_state,
 )
 from kv_exporter.sidecar.units import human_bytes
@@ -82,7 +84,7 @@ def _gpu_row(view: GpuView) -> str:
     source = view.source if view.source != "simulated" else "SIMULATED"
     css = "simulated" if view.source == "simulated" else ""
     safe = "-" if view.safe_max_num_seqs is None else view.safe_max_num_seqs
-    headroom_css = headroom_state(view.memory.total, view.projected_peak).value
+    headroom_css = headroom_state(view.headroom, view.declared_ceiling).value
     return (
         _num(view.memory.index)
         + f'<td><span class="{css}">{_e(source)}</span></td>'
@@ -109,23 +111,29 @@ def _item(swatch: str, text: str) -> str:
     return f'<li><span class="swatch {swatch}"></span>{_e(text)}</li>'
 
 
+def _limit_name(view: GpuView) -> str:
+    """What the bar ends at: the device's total, or the binding worker cap in the device's terms."""
+    return "total" if view.binding == BINDING_DEVICE else "worker allocator cap"
+
+
 def _gpu_bar(view: GpuView) -> str:
-    """used now | growth the declarations still allow | headroom, on a scale that also fits an overflow."""
-    total, used, peak = view.memory.total, view.memory.occupied, view.projected_peak
-    state = headroom_state(total, peak)
+    """used now | growth the declarations still allow | headroom to the binding limit, on a scale that also fits an
+    overflow."""
+    total, used, peak, limit = view.memory.total, view.memory.occupied, view.projected_peak, view.limit
+    state = headroom_state(view.headroom, view.declared_ceiling)
     over = state is HeadroomState.OVER
     scale = max(total, peak, 1)
-    beyond = view.unexplained_growth  # the growth observation adds: after the declared growth, within total
+    beyond = view.unexplained_growth  # the growth observation adds: after the declared growth, within the limit
     declared = peak - used - beyond
-    last = ("overflow", peak - total) if over else (f"headroom {state.value}", total - peak)
-    shown_declared = min(declared, total - used)
-    beyond_segment = [("beyond", min(beyond, total - used - shown_declared))] if beyond else []
+    last = ("overflow", peak - limit) if over else (f"headroom {state.value}", limit - peak)
+    shown_declared = min(declared, limit - used)
+    beyond_segment = [("beyond", min(beyond, limit - used - shown_declared))] if beyond else []
     segments = [("used", used), ("growth", shown_declared), *beyond_segment, last]
     bar = "".join(f'<div class="seg {css}" style="width:{_share(max(0, b), scale)}"></div>' for css, b in segments)
-    threshold = round((1 - HEADROOM_ALERT_FRACTION) * total)
+    threshold = round(limit - headroom_margin(view.declared_ceiling))
     bar += f'<div class="marker" style="left:{_share(threshold, scale)}" title="alert threshold"></div>'
-    if over:
-        bar += f'<div class="total" style="left:{_share(total, scale)}" title="total"></div>'
+    if over or limit < total:
+        bar += f'<div class="total" style="left:{_share(limit, scale)}" title="{_e(_limit_name(view))}"></div>'
     share = f" ({view.headroom / total:.1%} of total)" if total > 0 else ""
     legend = (
         _item("used", f"used now {human_bytes(used)}")
@@ -135,16 +143,16 @@ def _gpu_bar(view: GpuView) -> str:
             if beyond
             else ""
         )
+        + (_item("total", f"{_limit_name(view)} {human_bytes(limit)}") if over or limit < total else "")
         + (
-            _item("total", f"total {human_bytes(total)}")
-            + _item("overflow", f"over total by {human_bytes(peak - total)}")
+            _item("overflow", f"over {_limit_name(view)} by {human_bytes(peak - limit)}")
             if over
             else _item(f"headroom {state.value}", f"headroom {human_bytes(view.headroom)}{share}")
         )
         + _item(
             "marker",
-            f"alert below {HEADROOM_ALERT_FRACTION:.0%} headroom (shipped default; an override in your "
-            "Prometheus rules is not visible here)",
+            f"alert below {HEADROOM_MARGIN_FRACTION:.0%} of the declared ceiling (shipped default; an override in "
+            "your Prometheus rules is not visible here)",
         )
     )
     title = f"GPU {_e(view.memory.index)} · {_e(view.memory.name)} · {_e(view.memory.uuid)}"
@@ -172,14 +180,22 @@ def _gpu_section(snapshot: Snapshot) -> str:
         "headroom",
         "safe max_num_seqs",
     )
-    bars = "".join(_gpu_bar(v) for v in snapshot.gpus)
-    table = _table("gpus", headers, (_gpu_row(v) for v in snapshot.gpus)) if snapshot.gpus else ""
+    projected = [v for v in snapshot.gpus if v.projected]
+    bars = "".join(_gpu_bar(v) for v in projected)
+    table = _table("gpus", headers, (_gpu_row(v) for v in projected)) if projected else ""
+    bars += "".join(
+        f'<p class="note">GPU {_e(v.memory.index)} ({_e(v.memory.uuid)}): {v.other_processes} compute process(es) '
+        "that no manifest here accounts for share it, so it is not projected here: engines of several pods on one "
+        "GPU are the node-wide exporter's (docs/deploy.md).</p>"
+        for v in snapshot.gpus
+        if not v.projected
+    )
     note = (
         '<p class="note">projected peak = used + the sum over the GPU\'s live declarations of (ceiling - '
         "estimate) - what their owners already hold beyond the estimate (in used already) + the growth of bytes "
-        "no declaration explains; headroom = total - projected peak. Colours as "
-        "the shipped alerts judge it: red, projected "
-        f"peak above total; amber, headroom below {HEADROOM_ALERT_FRACTION:.0%} of total (shipped default).</p>"
+        "no declaration explains; headroom = the limit met first (the GPU's total, or a worker's allocator cap) - "
+        "projected peak. Colours as the shipped alerts judge it: red, projected peak past that limit; amber, headroom "
+        f"below {HEADROOM_MARGIN_FRACTION:.0%} of the GPU's declared ceiling (shipped default).</p>"
     )
     return f"<h2>GPUs</h2>{status}{bars}{table}{note}"
 

@@ -45,6 +45,7 @@ class GpuResult:
     source: str | None
     devices: tuple[GpuMemory, ...] = ()
     processes: dict[int, dict[int, int]] = field(default_factory=dict)  # NVML index -> pid -> bytes
+    comparable: frozenset[int] = frozenset()  # NVML indices whose pids are comparable with the manifests' pids
     error: GpuReadError | None = None
     device_errors: tuple[GpuReadError, ...] = ()
 

@@ -17,8 +17,17 @@ from kv_exporter.manifest import Declaration, Manifest, PodInfo
 from kv_exporter.sidecar.budget import NO_CAP, SeriesCap, limit_series
 from kv_exporter.sidecar.declared import Declared, DeclaredCache, PlacedDeclaration
 from kv_exporter.sidecar.engine_page import EngineKey
+from kv_exporter.sidecar.limits import (
+    BINDING_DEVICE,
+    BINDING_WORKER,
+    EngineBudget,
+    Limits,
+    WorkerLimit,
+    engine_budgets,
+    worker_limits,
+)
 from kv_exporter.sidecar.liveness import State, Verdict
-from kv_exporter.sidecar.observed import Observed, OwnerView, observe
+from kv_exporter.sidecar.observed import Observed, ObservedState, OwnerView, observe, worker_state
 from kv_exporter.sidecar.records import (
     DeviceKey,
     GpuResult,
@@ -72,18 +81,31 @@ class EngineView:
 
 @dataclass(frozen=True)
 class GpuView:
+    """A GPU this exporter's engines use: its memory, and the projection against the limit met first."""
+
     memory: GpuMemory
     source: str
-    projected_peak: int
+    projected_peak: int  # in the device's terms: what NVML would show occupied at the peak
     safe_max_num_seqs: int | None  # None: nothing on this GPU scales with max_num_seqs
     processes: dict[int, int]  # matched manifest pid -> NVML used bytes
     declarations: int
     unexplained_growth: int  # the part of the projected peak that observation adds to the declarations' growth
     resident: int  # declared memory already held beyond the estimates: in used, so not added again
+    headroom: int  # to the binding limit: the device's total, or a worker's allocator cap, whichever is met first
+    binding: str  # limits.BINDING_DEVICE or BINDING_WORKER
+    declared_ceiling: int  # the live declarations' ceilings on this GPU, summed
+    pod: PodInfo  # of the engines on it, where they share one pod; unknown where several pods use it
+    other_processes: int | None  # compute processes NVML lists that no manifest accounts for (None: unread)
 
     @property
-    def headroom(self) -> int:
-        return self.memory.total - self.projected_peak
+    def limit(self) -> int:
+        """The occupancy (in the device's terms) at which the binding limit is met."""
+        return self.projected_peak + self.headroom
+
+    @property
+    def projected(self) -> bool:
+        """False while processes no manifest accounts for share it: their growth is unknown, so no projection."""
+        return not self.other_processes
 
 
 @dataclass(frozen=True)
@@ -103,6 +125,8 @@ class Snapshot:
     duration_s: float
     taken_at: float
     observed: Observed = field(default_factory=Observed)
+    limits: Limits = field(default_factory=Limits)
+    budgets: tuple[EngineBudget, ...] = ()
     observation_errors_total: dict[str, int] = field(default_factory=dict)
     series_dropped: tuple[str, ...] = ()  # live manifests left out by the series cap (paths)
     engines_dropped: int = 0  # engines only a page shows, left out by the series cap
@@ -177,13 +201,15 @@ def engine_views(
     return views
 
 
-def safe_max_num_seqs(
-    device: GpuMemory, views: Sequence[DeclarationView], owners: Sequence[OwnerView] = ()
-) -> int | None:
-    """Largest M with occupied (total - free) + sum(bytes_per_row * max(0, M - rows held)) <= total, over this GPU's
-    max_num_seqs-driven declarations and the owners whose unexplained bytes grow with running sequences (every
-    engine on the GPU at the same M); None when there are none. Rows held: the estimated rows, and the rows an owner
-    already holds beyond them (its resident bytes, whole rows, given to its declarations in page order)."""
+NO_LIMITS = Limits()
+
+
+def safe_max_num_seqs(free: int, views: Sequence[DeclarationView], owners: Sequence[OwnerView] = ()) -> int | None:
+    """Largest M with sum(bytes_per_row * max(0, M - rows held)) <= `free` (a device's total - occupied, or a
+    worker's cap - reserved), over the max_num_seqs-driven declarations in `views` and the owners whose unexplained
+    bytes grow with running sequences (every engine at the same M); None when there are none. Rows held: the
+    estimated rows, and the rows an owner already holds beyond them (its resident bytes, whole rows, given to its
+    declarations in page order)."""
     resident = {(o.key, o.placement, o.pod, o.owner): o.resident_bytes for o in owners if o.resident_bytes}
     scaling = [(o.running or 0, o.unexplained_per_sequence) for o in owners if o.unexplained_per_sequence]
     for v in views:
@@ -200,7 +226,6 @@ def safe_max_num_seqs(
         scaling.append((v.estimate_rows + max(0, held), per_row))
     if not any(per_row for _, per_row in scaling):  # nothing grows
         return None
-    free = device.total - device.occupied
     if free < 0:
         return 0
     # The growth at M, sum(per_row * (M - rows)) over rows < M, is linear between two consecutive row counts:
@@ -219,35 +244,75 @@ def gpu_views(
     entries: Sequence[ManifestEntry],
     views_at: dict[DeviceKey, list[DeclarationView]],
     owners: Sequence[OwnerView],
+    limits: Limits = NO_LIMITS,
 ) -> list[GpuView]:
-    """`views_at`: the declaration views by their placement's device key."""
+    """`views_at`: the declaration views by their placement's device key. Only the GPUs a live manifest sits on: a
+    GPU no engine of this exporter uses is another exporter's (or nobody's) to report."""
     result = []
     # Grouped in one pass each, not one pass per device (docs/benchmarks.md, target 1).
     owners_at = _by_place((o.placement, o) for o in owners)
-    pids_at = _by_place((placement(e.manifest, gpu), e.manifest.process.pid) for e in entries if e.manifest and e.live)
+    live = [e.manifest for e in entries if e.manifest is not None and e.live]
+    workers_at = _by_place((placement(m, gpu), m) for m in live)
+    limits_at = _by_place((w.placement, w) for w in limits.workers)
     for device in gpu.devices:
-        mine = _on(views_at, device)
-        held = _on(owners_at, device)
-        pids = set(_on(pids_at, device))
-        listed = gpu.processes.get(device.index, {})
+        mine, held, workers = _on(views_at, device), _on(owners_at, device), _on(workers_at, device)
+        if not workers:
+            continue
+        pids = {m.process.pid for m in workers}
+        listed = gpu.processes.get(device.index, {}) if device.index in gpu.comparable else {}
         unexplained_growth = sum(o.unexplained_growth_bytes for o in held)
         resident = sum(o.resident_bytes for o in held)
-        growth = sum(v.headroom_needed for v in mine) - resident
+        projected_peak = device.occupied + sum(v.headroom_needed for v in mine) - resident + unexplained_growth
+        headroom, binding = device.total - projected_peak, BINDING_DEVICE
+        safe = safe_max_num_seqs(device.total - device.occupied, mine, held)
+        for limit in _on(limits_at, device):
+            if limit.headroom_bytes < headroom:
+                headroom, binding = limit.headroom_bytes, BINDING_WORKER
+            safe = _smaller(safe, _worker_safe(limit, mine, held))
+        pods = {m.pod for m in workers}
         result.append(
             GpuView(
                 memory=device,
                 source=gpu.source or "",
-                projected_peak=device.occupied + growth + unexplained_growth,
-                safe_max_num_seqs=safe_max_num_seqs(device, mine, held),
+                projected_peak=projected_peak,
+                safe_max_num_seqs=safe,
                 processes={pid: listed[pid] for pid in sorted(pids) if pid in listed},
                 declarations=len(mine),
                 unexplained_growth=unexplained_growth,
                 resident=resident,
+                headroom=headroom,
+                binding=binding,
+                declared_ceiling=sum(v.ceiling_bytes for v in mine),
+                pod=pods.pop() if len(pods) == 1 else PodInfo(),
+                other_processes=other_processes(gpu, device, pids),
             )
         )
     return result
 
 
+def other_processes(gpu: GpuResult, device: GpuMemory, pids: set[int]) -> int | None:
+    """Compute processes on `device` that no manifest of this exporter accounts for: by pid where NVML's pids are
+    comparable with the manifests', else by count (NVML lists host pids; a pod sees its own); None: not read."""
+    listed = gpu.processes.get(device.index)
+    if listed is None:
+        return None
+    if device.index in gpu.comparable:
+        return len(set(listed) - pids)
+    return max(0, len(listed) - len(pids))
+
+
+def _worker_safe(limit: WorkerLimit, views: Sequence[DeclarationView], owners: Sequence[OwnerView]) -> int | None:
+    group = limit.group
+    mine = [v for v in views if (v.placed.engine, v.placed.placement, v.placed.pod) == group]
+    held = [o for o in owners if (o.key, o.placement, o.pod) == group]
+    return safe_max_num_seqs(limit.room_bytes, mine, held)
+
+
+def _smaller(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+OK = ObservedState.OK
 P = TypeVar("P")
 
 
@@ -261,6 +326,11 @@ def _by_place(items: Iterable[tuple[Placement, P]]) -> dict[DeviceKey, list[P]]:
 def _on(groups: dict[DeviceKey, list[P]], device: GpuMemory) -> list[P]:
     """The items `Placement.on` puts on `device`."""
     return [item for key in device_keys(device) for item in groups.get(key, ())]
+
+
+def _usable(entries: Sequence[ManifestEntry], now: float) -> list[Manifest]:
+    """The live manifests whose observation is fresh enough to use."""
+    return [e.manifest for e in entries if e.live and e.manifest and worker_state(e.manifest, now) is OK]
 
 
 def _mark_dropped(entries: Sequence[ManifestEntry], dropped: Sequence[ManifestEntry]) -> list[ManifestEntry]:
@@ -304,13 +374,16 @@ def build_snapshot(
     for view in unexported:  # the same device keys as placements give them
         views_at.setdefault(view.placed.placement.key, []).append(view)
     unexported_owners = observe(dropped, running, gpu, taken_at).owners if dropped else ()
+    all_owners = [*observed.owners, *unexported_owners]
+    limits = worker_limits(_usable(kept, taken_at), gpu, observed.owners)
+    binding = worker_limits(_usable(entries, taken_at), gpu, all_owners) if dropped else limits
     return Snapshot(
         manifests=tuple(_mark_dropped(entries, dropped) if dropped else entries),
         declared=declared_now,
         declarations=tuple(views),
         engines=tuple(engine_views(kept, running, limited.page_engines)),
         pages=tuple(pages),
-        gpus=tuple(gpu_views(gpu, entries, views_at, [*observed.owners, *unexported_owners])),
+        gpus=tuple(gpu_views(gpu, entries, views_at, all_owners, binding)),
         gpu=gpu,
         manifest_errors_total=dict(manifest_errors_total or {}),
         page_errors_total=dict(page_errors_total or {}),
@@ -320,6 +393,8 @@ def build_snapshot(
         duration_s=duration_s,
         taken_at=taken_at,
         observed=observed,
+        limits=limits,
+        budgets=engine_budgets(kept, gpu),
         observation_errors_total=dict(observation_errors_total or {}),
         series_dropped=tuple(sorted(e.path for e in dropped)),
         engines_dropped=limited.page_engines_dropped,

@@ -1,19 +1,22 @@
 """The shipped alert thresholds, for what people look at: the landing page's colours and marker, the dashboard's.
 
-deploy/prometheus/kv-exporter.rules.yml records the same default (`model_local_kv:headroom_alert_fraction:default`);
-tests/deploy/test_rules.py fails when the two differ, and checks through promtool that `headroom_state` says what the
-shipped alerts do at and around each boundary. An operator's override (their own rule file) is not visible from here,
-so whatever shows these figures says "shipped default".
+deploy/prometheus/kv-exporter.rules.yml records the same defaults (`model_local_kv:headroom_margin_fraction:default`,
+`model_local_kv:unexplained_alert_fraction:default`); tests/deploy/test_rules.py fails when they differ, and checks
+through promtool that `headroom_state` says what the shipped alerts do at and around each boundary. An operator's
+override (their own rule file) is not visible from here, so whatever shows these figures says "shipped default".
 """
 
 from __future__ import annotations
 
 from enum import Enum
 
-# ModelLocalKVHeadroomLow fires while headroom / total is below this fraction (and not below 0).
-HEADROOM_ALERT_FRACTION = 0.10
 # ModelLocalKVOwnerExceedsDeclaration fires while an owner holds more than its declared ceiling by this fraction.
 UNEXPLAINED_ALERT_FRACTION = 0.05
+# ModelLocalKVHeadroomLow fires while the headroom to the binding limit is 0 or more but below this fraction of the
+# GPU's declared ceiling: an owner within the tolerance above (not alerted) would no longer fit. Not a fraction of the
+# GPU's total: vLLM leaves 8-10 % of it free by design (0.92 / 0.9) and about a GiB in 0.34's extensible mode, so any
+# such share is crossed by a healthy server (docs/alerts.md, "Thresholds").
+HEADROOM_MARGIN_FRACTION = UNEXPLAINED_ALERT_FRACTION
 
 
 def exceeds_declaration(ceiling: int, unexplained: int) -> bool:
@@ -26,13 +29,18 @@ class HeadroomState(Enum):
 
     OK = "ok"
     LOW = "low"  # ModelLocalKVHeadroomLow (warning)
-    OVER = "over"  # ModelLocalKVProjectedPeakAboveGPUMemory (critical)
+    OVER = "over"  # ModelLocalKVProjectedPeakAboveGPUMemory (critical): past the binding limit
 
 
-def headroom_state(total: int, projected_peak: int) -> HeadroomState:
-    """The same comparisons, in the same floating point, as the alert expressions."""
-    if projected_peak > total:
+def headroom_margin(declared_ceiling: int) -> float:
+    """The headroom below which ModelLocalKVHeadroomLow warns (shipped default)."""
+    return HEADROOM_MARGIN_FRACTION * declared_ceiling
+
+
+def headroom_state(headroom: int, declared_ceiling: int) -> HeadroomState:
+    """The same comparisons, in the same floating point, as the alert expressions: `headroom` to the binding limit."""
+    if headroom < 0:
         return HeadroomState.OVER
-    if total > 0 and (total - projected_peak) / total < HEADROOM_ALERT_FRACTION:
+    if headroom < headroom_margin(declared_ceiling):
         return HeadroomState.LOW
     return HeadroomState.OK

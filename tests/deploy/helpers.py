@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ import yaml
 
 from tests.support.constants import REPO
 from tests.support.net import free_port
+from tests.support.scrape import parse
 from tests.support.sidecar import stop_process
 
 DEPLOY = REPO / "deploy"
@@ -112,6 +114,30 @@ def write_rules_without_annotations(folder: Path) -> str:
             rule.pop("annotations", None)
     (folder / RULES.name).write_text(yaml.safe_dump(rules))
     return RULES.name
+
+
+def series_selector(name: str, labels: dict[str, str]) -> str:
+    escaped = (value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for value in labels.values())
+    return name + "{" + ",".join(f'{key}="{value}"' for key, value in zip(labels, escaped, strict=True)) + "}"
+
+
+def held_for(value: float, minutes: int) -> str:
+    """`value` held for `minutes` in promtool's notation, in fixed point (its `a+bxn` would misread 1e+20)."""
+    assert math.isfinite(value), value
+    text = str(int(value)) if value.is_integer() else f"{value:.12f}".rstrip("0")
+    return f"{text}x{minutes}"
+
+
+def page_series(page: str, target: dict[str, str], minutes: int) -> list[dict[str, str]]:
+    """Every sample of an exporter's page as Prometheus stores it from the scrape `target` (its `job` and `instance`),
+    empty labels dropped (as Prometheus drops them at ingestion), held constant for `minutes`: promtool input."""
+    stored = (
+        ({**{k: v for k, v in labels if v}, **target}, name, value)
+        for (name, labels), value in sorted(parse(page).items())
+    )
+    return [
+        {"series": series_selector(name, labels), "values": held_for(value, minutes)} for labels, name, value in stored
+    ]
 
 
 def dashboard() -> dict[str, Any]:

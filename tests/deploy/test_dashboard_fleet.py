@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from kv_exporter.engine_memory import EngineMemory
 from kv_exporter.manifest import Declaration, write_manifest
-from kv_exporter.observation import Observation, ObservationState, OwnerObservation
+from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS, ReferenceModel
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
 from tests.deploy.grafana import (
@@ -62,14 +63,18 @@ def observation(model: ReferenceModel, running: int) -> Observation:
     owner, spec = model.declarations[0]
     per_row = Declaration.from_spec(owner, spec).bytes_per_row
     held = (OwnerObservation(owner, running * per_row, running), OwnerObservation("vocoder", 1 << 20, 1))
-    return Observation(ObservationState.OK, "", 10.0, time.time(), 0.001, held, peaks_followed=True)
+    # vLLM 0.34's capped allocator: 4 GiB reserved, the cap 2 GiB above.
+    cuda = CudaMemory(4 << 30, 4 << 30, 4 << 30, 4 << 30, 4 << 30, limit_bytes=6 << 30)
+    return Observation(ObservationState.OK, "", 10.0, time.time(), 0.001, held, cuda, peaks_followed=True)
 
 
 def start_host(stack: contextlib.ExitStack, workdir: Path, host: str) -> Sidecar:
     model, running, max_num_seqs, gpu = HOSTS[host]
     folder = workdir / f"manifests-{host}"
     manifest = live_manifest(model, max_num_seqs=max_num_seqs)
-    write_manifest(folder, dataclasses.replace(manifest, observation=observation(model, running)))
+    budget = EngineMemory(kv_cache_bytes=8 << 30, kv_cache_blocks=4096, gpu_memory_utilization=1.0)
+    observed = dataclasses.replace(manifest, observation=observation(model, running), engine_memory=budget)
+    write_manifest(folder, observed)
     # A broken file beside it: the manifest-error panel gets data on each host.
     (folder / "broken-by-test.json").write_text('{"schema_version": 1, "truncated": ')
     engine = stack.enter_context(SimulatedEngine(vllm_page_with(running, model.model_name)))
@@ -152,10 +157,10 @@ def test_every_selector_filters_by_each_variable_its_family_carries(fleet: Fleet
 
 
 def test_an_operators_threshold_file_adds_no_duplicate_samples(fleet: Fleet) -> None:
-    effective = fleet.prometheus.wait_for("gpu:model_local_kv_headroom_alert_fraction:effective", 30)
-    # The example's fleet-wide override (15 %); its scoped ones name other hosts.
+    effective = fleet.prometheus.wait_for("gpu:model_local_kv_headroom_margin_fraction:effective", 30)
+    # The example's fleet-wide override (10 %); its scoped ones name other hosts.
     assert {(s["metric"]["instance"], float(s["value"][1])) for s in effective} == {
-        (instance, 0.15) for instance in fleet.instances.values()
+        (instance, 0.10) for instance in fleet.instances.values()
     }
     assert "duplicate sample" not in fleet.prometheus.log.read_text()
     assert not [r for g in fleet.prometheus.api("rules")["groups"] for r in g["rules"] if r.get("health") != "ok"]

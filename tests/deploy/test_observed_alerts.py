@@ -16,7 +16,6 @@ alerts must fire for exactly the owner or engine it is about, once its `for` has
 
 from __future__ import annotations
 
-import math
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.helpers import alerts, tool, write_rules_without_annotations
+from tests.deploy.helpers import alerts, page_series, tool, write_rules_without_annotations
 from tests.engine.testplugin.kvx_testplugin import geometry as g
 from tests.support.constants import FIXTURES
 from tests.support.scrape import parse
@@ -44,28 +43,13 @@ OBSERVATION_ALERTS = (EXCEEDS, UNDECLARED, NEVER, UNAVAILABLE)
 Labels = dict[str, str]
 
 
-def series_selector(name: str, labels: Labels) -> str:
-    escaped = (value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for value in labels.values())
-    return name + "{" + ",".join(f'{key}="{value}"' for key, value in zip(labels, escaped, strict=True)) + "}"
-
-
 def ingested(labels: tuple[tuple[str, str], ...]) -> Labels:
     return {**{key: value for key, value in labels if value}, **JOB}
 
 
-def expanded(value: float) -> str:
-    """`value` held for HELD_MINUTES in promtool's notation, in fixed point (its `a+bxn` would misread 1e+20)."""
-    assert math.isfinite(value), value
-    text = str(int(value)) if value.is_integer() else f"{value:.12f}".rstrip("0")
-    return f"{text}x{HELD_MINUTES}"
-
-
 def input_series(page: str) -> list[dict[str, str]]:
     """Every sample of a recorded page, as Prometheus would have stored it, constant for HELD_MINUTES."""
-    return [
-        {"series": series_selector(name, ingested(labels)), "values": expanded(value)}
-        for (name, labels), value in sorted(parse(page).items())
-    ]
+    return page_series(page, JOB, HELD_MINUTES)
 
 
 def labels_of(page: str, name: str, **match: str) -> Labels:

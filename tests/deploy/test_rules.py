@@ -12,7 +12,7 @@ import yaml
 
 from deploy.generate import RUNBOOK_BASE, RUNBOOK_FILES, rebase_runbooks
 from kv_exporter.sidecar.thresholds import (
-    HEADROOM_ALERT_FRACTION,
+    HEADROOM_MARGIN_FRACTION,
     UNEXPLAINED_ALERT_FRACTION,
     HeadroomState,
     headroom_state,
@@ -35,8 +35,8 @@ from tests.deploy.helpers import (
 SEVERITIES = {"critical", "warning", "info"}
 
 
-DEFAULT_RULE = "model_local_kv:headroom_alert_fraction:default"
-OVERRIDE_RULE = "model_local_kv:headroom_alert_fraction:override"
+DEFAULT_RULE = "model_local_kv:headroom_margin_fraction:default"
+OVERRIDE_RULE = "model_local_kv:headroom_margin_fraction:override"
 
 
 @pytest.mark.parametrize("path", [RULES, THRESHOLDS_EXAMPLE], ids=lambda p: p.name)
@@ -58,7 +58,7 @@ def recorded(path: Path) -> list[dict[str, Any]]:
 @pytest.mark.parametrize(
     ("rule", "constant"),
     [
-        (DEFAULT_RULE, HEADROOM_ALERT_FRACTION),
+        (DEFAULT_RULE, HEADROOM_MARGIN_FRACTION),
         ("model_local_kv:unexplained_alert_fraction:default", UNEXPLAINED_ALERT_FRACTION),
     ],
 )
@@ -80,8 +80,20 @@ def test_overrides_never_write_a_shipped_series() -> None:
     assert len(scopes) == len(set(scopes)) == 4, scopes  # one rule per scope: every scope shown, none twice
 
 
-# Headroom as a share of 80 GiB, at and around each boundary of the shipped alerts.
-AGREEMENT_HEADROOM = [-1, 0, 1, 4 * 2**30, 8 * 2**30 - 1, 8 * 2**30, 8 * 2**30 + 1, 40 * 2**30]
+# Headroom to the binding limit, at and around each boundary of the shipped alerts, with 4 GiB declared on the GPU
+# (the margin: 5 % of it, 204.8 MiB), and a GPU with nothing declared (no margin: only the critical alert).
+CEILING = 4 * 2**30
+MARGIN = 214748364.8
+AGREEMENT = [
+    (-1, CEILING),
+    (0, CEILING),
+    (1, CEILING),
+    (214748364, CEILING),
+    (214748365, CEILING),
+    (8 * 2**30, CEILING),
+    (0, 0),
+    (-1, 0),
+]
 TOTAL = 80 * 2**30
 STATE_ALERT = {
     HeadroomState.LOW: "ModelLocalKVHeadroomLow",
@@ -92,11 +104,13 @@ STATE_ALERT = {
 def test_headroom_state_agrees_with_the_shipped_alerts(tmp_path: Path) -> None:
     """What the landing page colours a GPU is what the shipped alerts do with it: promtool evaluates the shipped
     expressions on GPUs at each boundary and expects the alerts `headroom_state` names (annotations left out of the
-    copy, since only the expressions are compared)."""
+    copy, since only the expressions are compared). The limit is a worker's cap below the GPU's total for half of
+    them: the alerts read the headroom to it, not to the total."""
+    assert 214748364 < MARGIN < 214748365
     rule_file = write_rules_without_annotations(tmp_path)
     series, expected = [], {name: [] for name in STATE_ALERT.values()}
     states = set()
-    for gpu, headroom in enumerate(AGREEMENT_HEADROOM):
+    for gpu, (headroom, ceiling) in enumerate(AGREEMENT):
         labels = {
             "job": "kv-exporter",
             "instance": "node:9477",
@@ -104,14 +118,17 @@ def test_headroom_state_agrees_with_the_shipped_alerts(tmp_path: Path) -> None:
             "UUID": f"GPU-{gpu}",
             "source": "nvml",
         }
+        limit = TOTAL if gpu % 2 else TOTAL - 10 * 2**30
         selector = ",".join(f'{k}="{v}"' for k, v in labels.items())
         for metric, value in (
             ("model_local_kv_gpu_memory_total_bytes", TOTAL),
-            ("model_local_kv_gpu_projected_peak_bytes", TOTAL - headroom),
+            ("model_local_kv_gpu_limit_bytes", limit),
+            ("model_local_kv_gpu_projected_peak_bytes", limit - headroom),
             ("model_local_kv_gpu_headroom_bytes", headroom),
+            ("model_local_kv_gpu_declared_ceiling_bytes", ceiling),
         ):
             series.append({"series": f"{metric}{{{selector}}}", "values": f"{value}x20"})
-        state = headroom_state(TOTAL, TOTAL - headroom)
+        state = headroom_state(headroom, ceiling)
         states.add(state)
         if state in STATE_ALERT:
             severity = "warning" if state is HeadroomState.LOW else "critical"
@@ -129,7 +146,10 @@ def test_headroom_state_agrees_with_the_shipped_alerts(tmp_path: Path) -> None:
 
 def test_promtool_unit_tests_can_fail(tmp_path: Path) -> None:
     """The unit tests compare rendered annotations exactly: a changed threshold must break them."""
-    (tmp_path / RULES.name).write_text(RULES.read_text().replace("vector(0.10)", "vector(0.04)"))
+    shipped = RULES.read_text()
+    margin = "      - record: model_local_kv:headroom_margin_fraction:default\n        expr: vector(0.05)"
+    assert shipped.count(margin) == 1
+    (tmp_path / RULES.name).write_text(shipped.replace(margin, margin.replace("0.05", "0.01")))
     (tmp_path / RULES_TEST.name).write_text(RULES_TEST.read_text())
     proc = subprocess.run(
         [tool("promtool"), "test", "rules", RULES_TEST.name],
@@ -178,11 +198,17 @@ def test_issue_alerts_exist() -> None:
         "model_local_kv_observation_state",  # observation off or failing: never a silent absence
     ):
         assert metric in by_metric, f"no alert reads {metric}"
-    # Headroom below the fraction in force: the shipped default unless an operator's override applies.
-    (effective,) = [r for r in recorded(RULES) if r["record"] == "gpu:model_local_kv_headroom_alert_fraction:effective"]
+    # Headroom below the margin in force: the shipped default unless an operator's override applies.
+    by_record = {r["record"]: r for r in recorded(RULES)}
+    effective = by_record["gpu:model_local_kv_headroom_margin_fraction:effective"]
     assert DEFAULT_RULE in effective["expr"] and OVERRIDE_RULE in effective["expr"]
-    headroom = [a for a in alerts() if effective["record"] in a["expr"]]
+    margin = by_record["gpu:model_local_kv_headroom_margin:bytes"]
+    assert effective["record"] in margin["expr"] and "model_local_kv_gpu_declared_ceiling_bytes" in margin["expr"]
+    headroom = [a for a in alerts() if margin["record"] in a["expr"]]
     assert [a["alert"] for a in headroom] == ["ModelLocalKVHeadroomLow"]
+    # The critical alert reads the limit met first, not the GPU's total.
+    (critical,) = [a for a in alerts() if a["alert"] == "ModelLocalKVProjectedPeakAboveGPUMemory"]
+    assert "model_local_kv_gpu_limit_bytes" in metrics_in(critical["expr"])
     # An owner holding more than it declared, beyond the tolerance in force: recorded from the unexplained bytes.
     (ratio,) = [r for r in recorded(RULES) if r["record"] == "owner:model_local_kv_unexplained:ratio"]
     assert "model_local_kv_unexplained_bytes" in metrics_in(ratio["expr"])

@@ -4,6 +4,7 @@ what a person sees, read back from the rendered DOM (element boxes, computed col
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -27,7 +28,7 @@ from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
 from kv_exporter.sidecar.http import build_server, serve_in_thread
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
-from kv_exporter.sidecar.thresholds import HEADROOM_ALERT_FRACTION, HeadroomState, headroom_state
+from kv_exporter.sidecar.thresholds import HeadroomState, headroom_margin, headroom_state
 from kv_exporter.sidecar.units import human_bytes
 from tests.support.constants import GIB, MIB
 from tests.support.fake_nvml import FakeBinding, FakeDevice
@@ -58,6 +59,14 @@ class Gpu:
         return sum(d.peak_bytes(self.max_num_seqs) - d.bytes_per_row * d.rows_at(rows) for d in manifest.declarations)
 
     @property
+    def declared_ceiling(self) -> int:
+        return reference_manifest(self.model, max_num_seqs=self.max_num_seqs).declared_peak_bytes()
+
+    @property
+    def state(self) -> HeadroomState:
+        return headroom_state(self.total - self.projected_peak, self.declared_ceiling)
+
+    @property
     def beyond(self) -> int:
         """What observation adds: the undeclared bytes per running sequence, for each sequence still to come."""
         return self.undeclared_per_sequence * (self.max_num_seqs - self.running)
@@ -76,7 +85,11 @@ class Gpu:
 VOCODER = "vocoder"
 COMFORTABLE = Gpu(QWEN3_TTS, 17, 256, 80 * GIB, 40 * GIB)
 UNDER_DECLARED = Gpu(QWEN3_TTS, 17, 256, 80 * GIB, 40 * GIB, undeclared_per_sequence=64 * MIB)
-TIGHT = Gpu(MIMO_AUDIO, 3, 64, 24 * GIB, 24 * GIB - 400 * MIB)  # ~1.5 % left at the projected peak
+_SMALL = Gpu(MIMO_AUDIO, 3, 256, GIB, 0)
+# Half its margin left at the projected peak (5 % of its 373 MB declared ceiling) on a 1 GiB device: ~9 px of the bar.
+TIGHT = dataclasses.replace(
+    _SMALL, used=GIB - _SMALL.declared_growth - round(headroom_margin(_SMALL.declared_ceiling) / 2)
+)
 OVER = Gpu(QWEN3_TTS, 0, 256, 24 * GIB, 23 * GIB)  # the peak does not fit
 
 
@@ -237,7 +250,7 @@ def shares(bar: dict[str, Any], segment: dict[str, Any]) -> float:
 @pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None, reason="chromium / chromedriver not installed")
 def test_two_gpus_one_below_the_threshold(tmp_path: Path) -> None:
     gpus = [COMFORTABLE, TIGHT]
-    states = [headroom_state(g.total, g.projected_peak) for g in gpus]
+    states = [g.state for g in gpus]
     assert states == [HeadroomState.OK, HeadroomState.LOW], "the figures must reach both states"
     page = read(tmp_path, gpus, tmp_path / "landing-1280.png")
     assert_readable_at_1280(page)
@@ -256,7 +269,8 @@ def test_two_gpus_one_below_the_threshold(tmp_path: Path) -> None:
             assert abs(shares(bar, segment) - part / gpu.total) * bar["width"] <= 1, segment
         assert abs(headroom["box"]["right"] - bar["right"]) <= 1.5
         # The marker at the alert threshold: the projected peak (headroom's left edge) is past it only when low.
-        assert abs(shown["marker"]["left"] - bar["left"] - (1 - HEADROOM_ALERT_FRACTION) * bar["width"]) <= 1.5
+        margin = headroom_margin(gpu.declared_ceiling) / gpu.total
+        assert abs(shown["marker"]["left"] - bar["left"] - (1 - margin) * bar["width"]) <= 1.5
         assert (headroom["box"]["left"] > shown["marker"]["left"]) == (state is HeadroomState.LOW)
         assert "shipped default" in shown["legend"]
         colours[state] = rgb(headroom["colour"])
@@ -280,7 +294,7 @@ def test_two_gpus_one_below_the_threshold(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None, reason="chromium / chromedriver not installed")
 def test_a_peak_above_total_shows_the_overflow(tmp_path: Path) -> None:
-    assert headroom_state(OVER.total, OVER.projected_peak) is HeadroomState.OVER
+    assert OVER.state is HeadroomState.OVER
     page = read(tmp_path, [OVER], tmp_path / "landing-over.png")
     assert_readable_at_1280(page)
     (shown,) = page["gpus"]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from kv_exporter.engine_memory import EngineMemory
 from kv_exporter.gpu import HOST_PID_NAMESPACE
 from kv_exporter.manifest import PodInfo, manifest_filename, write_manifest
 from kv_exporter.observation import CudaMemory, CudaWarm, Observation, ObservationState, OwnerObservation
@@ -41,12 +42,19 @@ CODEC_OWNER = QWEN3_TTS.declarations[0][0]
 WINDOW_ROW = 4_718_592
 
 
+CAP = 30 * GIB
+BUDGET = EngineMemory(
+    kv_cache_bytes=50 * GIB, kv_cache_blocks=3200, gpu_memory_utilization=1.0, extensible_kv_cache=True
+)
+
+
 def observed(taken_at: float) -> Observation:
     owners = (OwnerObservation(CODEC_OWNER, 3 * WINDOW_ROW, 3), OwnerObservation("vocoder", 524_288, 1))
     # Warm-up ended at 20 GiB with one window held; since then 1 GiB more is allocated, of which the two new windows
     # and the vocoder's cache explain 9.5 MiB. The peak (23 GiB) is the profiler's, from start-up.
     warm = CudaWarm(20 * GIB, 22 * GIB, 23 * GIB, WINDOW_ROW)
-    cuda = CudaMemory(21 * GIB, 22 * GIB, 23 * GIB, 21 * GIB + (8 << 20), 21 * GIB, 1, 0, warm)
+    # vLLM 0.34's extensible KV cache capped the allocator at 30 GiB: 8 GiB past what it reserves now.
+    cuda = CudaMemory(21 * GIB, 22 * GIB, 23 * GIB, 21 * GIB + (8 << 20), 21 * GIB, 1, 0, warm, CAP)
     return Observation(ObservationState.OK, "", 10.0, taken_at, 0.0004, owners, cuda, peaks_followed=True)
 
 
@@ -56,12 +64,12 @@ def write_inputs(folder: Path, served_model: str) -> None:
     observation) on a GPU the reader does not have, and a broken file."""
     qwen = reference_manifest(ReferenceModel(served_model, QWEN3_TTS.declarations), pid=4242)
     pod = PodInfo(name="tts-0", namespace="serving", container="engine")
-    write_manifest(folder, replace(qwen, pod=pod, observation=observed(time.time() - 1)))
+    write_manifest(folder, replace(qwen, pod=pod, observation=observed(time.time() - 1), engine_memory=BUDGET))
     off = Observation(ObservationState.OFF, "KV_EXPORTER_OBSERVE_INTERVAL=0", 0.0, 0.0, 0.0)
     write_manifest(folder, replace(reference_manifest(MIMO_AUDIO, max_num_seqs=64, pid=4300), observation=off))
     current = reference_manifest(MINICPM_O, max_num_seqs=8, pid=4400, gpu=1)
     document = json.loads(current.to_json())
-    del document["pod"], document["observation"]
+    del document["pod"], document["observation"], document["engine_memory"]
     path = folder / manifest_filename(current.engine)
     path.write_text(json.dumps({**document, "schema_version": 1}))
     # The same MiniCPM-o engine before its container restarted (another pid namespace, written earlier),
@@ -77,7 +85,7 @@ def write_inputs(folder: Path, served_model: str) -> None:
 
 
 def scrape(folder: Path, page: bytes) -> str:
-    gpu = simulated_gpu(processes={4242: 21 * GIB, 4300: 9 * GIB, 999: GIB}, pid_namespace=HOST_PID_NAMESPACE)
+    gpu = simulated_gpu(processes={4242: 21 * GIB, 4300: 9 * GIB}, pid_namespace=HOST_PID_NAMESPACE)
     down = closed_port_url()
     with SimulatedEngine(page) as engine, exporter(folder, [engine.url, down], gpu, our_namespace=SIDECAR_NS) as e:
         text = e.text()
@@ -138,8 +146,15 @@ def test_golden_figures_by_hand() -> None:
     assert f'model_local_kv_gpu_projected_peak_bytes{{UUID="{UUID0}",gpu="0",source="simulated"}} ' in text
     value = re.search(r"model_local_kv_gpu_projected_peak_bytes\{[^}]*\} (\S+)", text)
     assert value and float(value.group(1)) == projected
-    headroom = re.search(r"model_local_kv_gpu_headroom_bytes\{[^}]*\} (\S+)", text)
-    assert headroom and float(headroom.group(1)) == 80 * GIB - projected
+    # The page's engine's workers are capped at CAP with 22 GiB reserved: their own growth (kvx-tiny's share of the
+    # projection) meets the cap long before the GPU's 80 GiB, so the worker's limit binds.
+    worker = CAP - 22 * GIB - (projected - 60 * GIB - 64 * 720_896)
+    assert worker < 80 * GIB - projected
+    for name in ("model_local_kv_gpu_headroom_bytes", "model_local_kv_worker_headroom_bytes"):
+        headroom = re.search(name + r"\{[^}]*\} (\S+)", text)
+        assert headroom and float(headroom.group(1)) == worker, name
+    limit = re.search(r"model_local_kv_gpu_limit_bytes\{[^}]*\} (\S+)", text)
+    assert limit and float(limit.group(1)) == projected + worker
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool (apt-get install prometheus)")

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kv_exporter.manifest import Manifest, manifest_filename, write_manifest
-from tests.support.constants import GPU_USED
 from tests.support.manifests import MODEL, ceiling_bytes, live_manifest
 from tests.support.scrape import Samples, absent, manifest_states, pick, total
 from tests.support.sidecar import Sidecar, serve_args, sidecar
@@ -32,8 +31,8 @@ def assert_folder_unreadable(s: Samples, outages: int) -> None:
     assert manifest_states(s) == (0, 0, 0)
     assert pick(s, "model_local_kv_manifest_errors_total", reason="folder_unreadable") == outages
     assert absent(s, "model_local_kv_ceiling_bytes")
-    # Nothing declared is known: the projection is NVML's used figure alone (see docs/reliability.md).
-    assert pick(s, "model_local_kv_gpu_projected_peak_bytes") == GPU_USED
+    # No live manifest sits on the GPU: this exporter has nothing of it to report (see docs/reliability.md).
+    assert absent(s, "model_local_kv_gpu_projected_peak_bytes")
 
 
 def test_folder_missing_at_start_then_created(tmp_path: Path) -> None:

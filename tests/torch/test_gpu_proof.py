@@ -43,3 +43,27 @@ def test_on_the_cpu_every_cache_check_runs_and_holds() -> None:
         (shown,) = [values for case, values in rows.items() if case.startswith(prefix)]
         assert shown[:3] == [*map(str, figures)] and shown[4:] == ["-", "-"], (prefix, shown)
     assert "gpu-proof: all checks passed" in result.stdout
+
+
+def test_the_cap_case_judges_the_prediction_within_one_sequence() -> None:
+    """Part 4 needs a GPU to run (it sets a real allocator cap); its verdict is checked here on figures as the sidecar
+    exports them: the refused sequence within one of the exported safe max_num_seqs passes, two off fails."""
+    from types import SimpleNamespace
+
+    from scripts.gpu_proof_cap import _judge
+
+    row = 32 << 20
+    cap = 10 << 30
+    labels = 'gpu="0",UUID="GPU-x"'
+    series = {
+        f"model_local_kv_worker_allocator_limit_bytes{{{labels}}}": float(cap),
+        f"model_local_kv_worker_headroom_bytes{{{labels}}}": -float(row),
+        f"model_local_kv_gpu_safe_max_num_seqs{{{labels}}}": 64.0,
+        f'model_local_kv_gpu_limit_binding{{{labels},limit="worker"}}': 1.0,
+        f'model_local_kv_gpu_limit_binding{{{labels},limit="device"}}': 0.0,
+    }
+    manifest = SimpleNamespace(declarations=[SimpleNamespace(bytes_per_row=row)])
+    assert _judge(series, cap, manifest, 65, 40 << 30) == []
+    assert any("refused" in f for f in _judge(series, cap, manifest, 66, 40 << 30))
+    assert any("NVML" in f for f in _judge(series, cap, manifest, 64, row - 1))
+    assert any("cap set" in f for f in _judge(series, cap + 4096, manifest, 64, 40 << 30))

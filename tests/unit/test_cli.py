@@ -23,7 +23,7 @@ from kv_exporter.sidecar.cli import main, parse_simulated_gpu, parse_size
 from kv_exporter.sidecar.units import human_bytes
 from kv_exporter.web.reload import RELOAD_METRIC
 from tests.support.constants import GIB, REPO
-from tests.support.manifests import reference_manifest
+from tests.support.manifests import live_manifest, reference_manifest
 from tests.support.net import free_port
 from tests.support.sidecar import sidecar, stop_process
 
@@ -136,7 +136,7 @@ def test_report_unreadable_folder(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_serve_starts_fast_and_small(tmp_path: Path) -> None:
-    write_manifest(tmp_path, reference_manifest(QWEN3_TTS))
+    write_manifest(tmp_path, live_manifest(QWEN3_TTS))  # a live engine on no recorded GPU: the simulated one
     started = time.monotonic()
     with sidecar(tmp_path, "--manifest-dir", str(tmp_path), "--simulate-gpu", "80GiB:60GiB") as sc:
         body = sc.text()

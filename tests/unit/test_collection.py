@@ -100,12 +100,15 @@ def test_engine_on_a_page_without_manifests() -> None:
     assert engine.max_num_seqs is None
 
 
-def test_manifest_on_another_gpu_is_not_in_this_gpus_projection() -> None:
+def test_a_gpu_no_engine_of_this_exporter_uses_is_not_reported() -> None:
+    """GPU 0 is read, but the only manifest sits on GPU 1: GPU 0 is another exporter's (or nobody's) to report."""
     other = reference_manifest(QWEN3_TTS, gpu=1)
     snap = snapshot([other], [page("Qwen3-TTS", 0)])
-    assert snap.gpus[0].projected_peak == snap.gpus[0].memory.used
-    assert snap.gpus[0].safe_max_num_seqs is None
+    assert snap.gpus == ()
     assert len(snap.declarations) == 3  # still exported per declaration
+    mine = snapshot([reference_manifest(QWEN3_TTS), other], [page("Qwen3-TTS", 0)])
+    (gpu,) = mine.gpus
+    assert gpu.memory.index == 0 and gpu.declarations == 3
 
 
 def test_stale_manifest_is_excluded() -> None:
@@ -178,7 +181,7 @@ def test_safe_max_num_seqs_matches_brute_force(used: int, free: int, rows: list[
             view.declaration, dtype="uint8", layers=1, kv_heads=1, head_dim=1, physical_capacity_positions=per_row
         )
         views.append(replace(view, placed=replace(view.placed, declaration=decl), estimate_rows=estimate))
-    assert safe_max_num_seqs(device, views) == brute_force_safe(device, [(2 * b, e) for b, e in rows])
+    assert safe_max_num_seqs(device.free, views) == brute_force_safe(device, [(2 * b, e) for b, e in rows])
 
 
 def test_safe_max_num_seqs_for_qwen_example() -> None:
@@ -327,7 +330,7 @@ def test_every_family_is_documented_and_in_the_contract() -> None:
     docs = (Path(__file__).resolve().parent.parent.parent / "docs").resolve()
     snap = snapshot([reference_manifest(QWEN3_TTS)], [page("Qwen3-TTS", 1)])
     names = {f.name + ("_total" if f.type == "counter" else "") for f in families(snap)}
-    assert len(names) == 47
+    assert len(names) == 58
     for doc in ("metrics.md", "CONTRACTS.md"):
         text = (docs / doc).read_text()
         missing = {n for n in names if f"`{n}" not in text}

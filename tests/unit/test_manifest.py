@@ -12,6 +12,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from kv_exporter.engine_memory import EngineMemory
 from kv_exporter.manifest import (
     SCHEMA_VERSION,
     SCHEMA_VERSIONS,
@@ -30,6 +31,7 @@ from kv_exporter.manifest import (
     write_manifest,
 )
 from kv_exporter.observation import (
+    AllocatorLimitAbsent,
     CudaMemory,
     CudaWarm,
     Observation,
@@ -336,6 +338,17 @@ def test_declaration_from_a_foreign_spec_object() -> None:
 
 # -- schema version 2: pod identity and the observation ----------------------------------------------------------
 
+CUDA = CudaMemory(
+    allocated_bytes=3 << 30,
+    reserved_bytes=4 << 30,
+    peak_bytes=5 << 30,
+    high_water_bytes=(3 << 30) + 4096,
+    high_water_floor_bytes=3 << 30,
+    alloc_retries=2,
+    ooms=1,
+    warm=CudaWarm(allocated_bytes=2 << 30, reserved_bytes=4 << 30, peak_bytes=5 << 30, observed_bytes=512),
+    limit_bytes=6 << 30,
+)
 OBSERVATION = Observation(
     state=ObservationState.OK,
     reason="",
@@ -346,33 +359,36 @@ OBSERVATION = Observation(
         OwnerObservation("talker.code_predictor.codec_decoder", 9_437_184, 2, 37_748_736),
         OwnerObservation("vocoder", 512, 1, 512),
     ),
-    cuda=CudaMemory(
-        allocated_bytes=3 << 30,
-        reserved_bytes=4 << 30,
-        peak_bytes=5 << 30,
-        high_water_bytes=(3 << 30) + 4096,
-        high_water_floor_bytes=3 << 30,
-        alloc_retries=2,
-        ooms=1,
-        warm=CudaWarm(allocated_bytes=2 << 30, reserved_bytes=4 << 30, peak_bytes=5 << 30, observed_bytes=512),
-    ),
+    cuda=CUDA,
     unreadable=(UnreadableCaches("vocoder", UnreadableReason.NO_LAYERS, 1),),
 )
 V4_CUDA_FIELDS = ("peak_bytes", "high_water_bytes", "high_water_floor_bytes", "alloc_retries", "ooms", "warm")
+V5_CUDA_FIELDS = ("limit_bytes", "limit_absent")
+ENGINE_MEMORY = EngineMemory(
+    kv_cache_bytes=60 << 30, kv_cache_blocks=4096, gpu_memory_utilization=1.0, extensible_kv_cache=True
+)
 
 
 def observed_manifest() -> Manifest:
     pod = PodInfo(name="qwen3-tts-7f9c", namespace="tts", container="engine")
-    return replace(reference_manifest(QWEN3_TTS), pod=pod, observation=OBSERVATION)
+    return replace(reference_manifest(QWEN3_TTS), pod=pod, observation=OBSERVATION, engine_memory=ENGINE_MEMORY)
 
 
-def test_a_newest_manifest_with_pod_peaks_unreadable_caches_and_allocator_figures_round_trips(
+def test_a_version_5_manifest_with_pod_peaks_unreadable_caches_allocator_figures_and_budget_round_trips(
     tmp_path: Path,
 ) -> None:
     manifest = observed_manifest()
     document = json.loads(write_manifest(tmp_path, manifest).read_text())
     assert document["observation"]["cuda"]["warm"]["observed_bytes"] == 512
     assert document["observation"]["cuda"]["high_water_floor_bytes"] == 3 << 30
+    assert document["observation"]["cuda"]["limit_bytes"] == 6 << 30
+    assert document["observation"]["cuda"]["limit_absent"] is None
+    assert document["engine_memory"] == {
+        "kv_cache_bytes": 60 << 30,
+        "kv_cache_blocks": 4096,
+        "gpu_memory_utilization": 1.0,
+        "extensible_kv_cache": True,
+    }
     assert document["schema_version"] == SCHEMA_VERSION and document["observation"]["owners"][1] == {
         "owner": "vocoder",
         "bytes": 512,
@@ -384,8 +400,39 @@ def test_a_newest_manifest_with_pod_peaks_unreadable_caches_and_allocator_figure
     assert read_manifest(tmp_path / manifest_filename(manifest.engine)) == manifest
 
 
-def version_3_document() -> dict[str, Any]:
+def test_an_uncapped_allocator_says_why_it_has_no_limit() -> None:
+    cuda = replace(CUDA, limit_bytes=None, limit_absent=AllocatorLimitAbsent.NO_CAP)
+    document = replace(observed_manifest(), observation=replace(OBSERVATION, cuda=cuda)).to_dict()
+    assert document["observation"]["cuda"]["limit_absent"] == "no_cap"
+    jsonschema.validate(document, SCHEMA)
+    manifest = parse_manifest(json.dumps(document).encode(), "v5.json")
+    assert manifest.observation is not None and manifest.observation.cuda == cuda
+
+
+def version_4_document() -> dict[str, Any]:
     document = observed_manifest().to_dict()
+    document["schema_version"] = 4
+    del document["engine_memory"]
+    for name in V5_CUDA_FIELDS:
+        del document["observation"]["cuda"][name]
+    return document
+
+
+def test_a_version_4_manifest_is_read_without_the_limit_and_budget_it_did_not_have() -> None:
+    document = version_4_document()
+    jsonschema.validate(document, json.loads(schema_path(4).read_text()))
+    manifest = parse_manifest(json.dumps(document).encode(), "v4.json")
+    assert manifest.engine_memory is None
+    assert manifest.observation is not None and manifest.observation.cuda is not None
+    assert manifest.observation.cuda == replace(CUDA, limit_bytes=None)
+    document["observation"]["cuda"]["limit_bytes"] = 1 << 30  # a version 4 worker had none to give: refused alone
+    refused = parse_manifest(json.dumps(document).encode(), "v4.json")
+    assert refused.observation is not None and refused.observation.cuda is None
+    assert refused.allocator_problem is not None and refused.allocator_problem.reason == "unknown_field"
+
+
+def version_3_document() -> dict[str, Any]:
+    document = version_4_document()
     document["schema_version"] = 3
     del document["observation"]["cuda_unavailable"]
     for name in V4_CUDA_FIELDS:
@@ -459,7 +506,7 @@ def test_a_version_2_observation_may_not_carry_a_peak() -> None:
 
 def version_1_document() -> dict[str, Any]:
     document = good_document()
-    del document["pod"], document["observation"]
+    del document["pod"], document["observation"], document["engine_memory"]
     document["schema_version"] = 1
     return document
 
@@ -531,6 +578,7 @@ def test_an_unreadable_reason_is_read_only_from_the_version_that_added_it() -> N
     document["observation"]["unreadable"][0]["reason"] = "not_followed"
     newest = parse_manifest(json.dumps(document).encode(), "v5.json").observation
     assert newest is not None and newest.unreadable[0].reason is UnreadableReason.NOT_FOLLOWED
-    document["schema_version"] = 4  # a version 4 worker had no such reason to give
-    assert parse_manifest(json.dumps(document).encode(), "v4.json").observation is None
+    older = version_4_document()  # a version 4 worker had no such reason to give
+    older["observation"]["unreadable"][0]["reason"] = "not_followed"
+    assert parse_manifest(json.dumps(older).encode(), "v4.json").observation is None
     assert "not_followed" not in json.dumps(json.loads(schema_path(4).read_text()))
