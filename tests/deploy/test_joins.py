@@ -224,9 +224,7 @@ def test_dcgm_join_by_node_and_gpu_whichever_the_host_labels_spelling(joins: Joi
     *_, by_node, _ = recipes()
     result = values(joins.prometheus.query(by_node), "node", "gpu")
     ceilings = exported_sum(joins.exporter, "model_local_kv_ceiling_bytes", "gpu")
-    assert result == pytest.approx(
-        {("node-a", str(i)): ceilings[str(i)] / total_bytes(gpu_uuid(i)) for i in (0, 1)}
-    )
+    assert result == pytest.approx({("node-a", str(i)): ceilings[str(i)] / total_bytes(gpu_uuid(i)) for i in (0, 1)})
 
 
 def test_kube_pod_info_join_by_namespace_and_pod(joins: Joins) -> None:
