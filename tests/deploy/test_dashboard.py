@@ -32,14 +32,25 @@ def panels() -> list[dict[str, Any]]:
     return [p for p in dashboard()["panels"] if p["type"] != "row"]
 
 
+def fleet_panels() -> set[int]:
+    """The ids of the panels under the first row, the fleet row."""
+    ids, row = set(), None
+    for panel in dashboard()["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+        elif row == "Fleet":
+            ids.add(panel["id"])
+    return ids
+
+
 def test_generated_files_are_current() -> None:
     # As a module from the checkout, so that it reads this checkout's kv_exporter, not an installed copy.
     run(sys.executable, "-m", "deploy.generate", "--check")
 
 
 def test_variables_follow_vllm_conventions() -> None:
-    """datasource, then job, instance, model_name, stage, engine, gpu: multi-select with All, reloaded on time
-    change, each chained on the ones before it (label_values filtered by them)."""
+    """datasource, then cluster, job, node, instance, namespace, pod, model_name, stage, engine, gpu: multi-select
+    with All, reloaded on time change, each chained on the ones before it (label_values filtered by them)."""
     variables = dashboard()["templating"]["list"]
     assert [v["name"] for v in variables] == ["datasource", *FILTER_VARIABLES]
     assert variables[0]["type"] == "datasource" and variables[0]["query"] == "prometheus"
@@ -52,9 +63,9 @@ def test_variables_follow_vllm_conventions() -> None:
         parents = set(re.findall(r'(\w+)=~"\$(\w+)"', variable["query"]))
         assert {(label, label) for label in FILTER_VARIABLES[:before] if label in ("job", "instance")} <= parents
         assert {p for p, _ in parents} <= set(FILTER_VARIABLES[:before]), f"${name} filters by a later variable"
-    # All as `.*` everywhere but `job`, where it must stay the jobs that run kv-exporter (`up` is in every job).
+    # All as `.+` where the label is on every series (dashboard-linter's rule), `.*` where it may be absent.
     assert {v["name"]: v.get("allValue") for v in variables[1:]} == {
-        name: None if name == "job" else ".*" for name in FILTER_VARIABLES
+        name: ".+" if name in ("job", "instance") else ".*" for name in FILTER_VARIABLES
     }
 
 
@@ -90,10 +101,16 @@ def test_every_query_is_filtered_by_job_and_instance() -> None:
 
 
 def test_legends_name_the_instance() -> None:
+    """Every legend names its exporter, but the fleet row's counts (one value for the fleet)."""
+    fleet = fleet_panels()
     for panel in panels():
+        if panel["id"] in fleet:
+            assert panel["type"] == "table" or "instance" not in panel["targets"][0]["expr"].split("count(")[0]
+            continue
         for target in panel["targets"]:
             if panel["type"] == "table":
-                assert "instance" not in panel["transformations"][-1]["options"]["excludeByName"]
+                (organize,) = [x for x in panel["transformations"] if x["id"] == "organize"]
+                assert "instance" not in organize["options"]["excludeByName"]
             else:
                 assert "{{instance}}" in target["legendFormat"], f"{panel['title']}: {target['legendFormat']}"
 
@@ -163,7 +180,7 @@ def test_required_views_are_present() -> None:
         "model_local_kv_nvml_up",
     ):
         assert metric in exprs, metric
-    table = next(p for p in panels() if p["type"] == "table")
+    table = next(p for p in panels() if p["title"] == "Declarations")
     assert all("capacity_source" in t["expr"] and "rows_reason" in t["expr"] for t in table["targets"])
 
 
