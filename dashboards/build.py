@@ -29,19 +29,25 @@ DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
 # requirements-dev.txt targets Grafana 10.1 (schema 36); the migrations from 36 to 39 touch nothing this dashboard
 # uses (tests/deploy/test_dashboard.py checks the fields they rewrite are absent).
 SCHEMA_VERSION = 39
+GRAFANA_VERSION = "11.0.0"  # the oldest that writes SCHEMA_VERSION
 
 # Variables are named after the labels they filter (as in vLLM's dashboards), so a query's filter for a scope
-# is one matcher per label. A scope lists the variables that apply to a family's labels.
+# is one matcher per label. A scope lists the variables that apply to a family's labels. `cluster` is a global
+# ruler's (Thanos, Mimir) or Prometheus' external label, `node` the shipped monitors' (from the pod's node name):
+# target labels, on every series.
 Scope = tuple[str, ...]
-HOST: Scope = ("job", "instance")
+HOST: Scope = ("cluster", "job", "node", "instance")
 # A GPU's series carry the pod of the engines using it where they share one (none where several do: All keeps them).
 GPU: Scope = (*HOST, "namespace", "pod", "gpu")
 # The worker's pod: two pods of one model on one node (the DaemonSet layout) are two engines to the panels.
 ENGINE: Scope = (*HOST, "namespace", "pod", "model_name", "stage", "engine")
 DECLARATION: Scope = (*ENGINE, "gpu")
 # Labels that identify one engine, and one declaration series (CONTRACTS.md), for `on (...)` matches.
-ENGINE_KEY = "job, instance, namespace, pod, model_name, stage, engine"
-DECL_KEY = "job, instance, namespace, pod, container, model_name, stage, engine, owner, cache, scope, driver, gpu, UUID"
+ENGINE_KEY = "cluster, job, instance, namespace, pod, model_name, stage, engine"
+DECL_KEY = (
+    "cluster, job, instance, namespace, pod, container, model_name, stage, engine, owner, cache, scope, driver, "
+    "gpu, UUID"
+)
 DECL_INFO = "dtype, capacity_source, rows_fixed, rows_reason, allocation_note"
 
 Panel = Any  # an SDK panel builder (timeseries.Panel, stat.Panel, table.Panel)
@@ -75,10 +81,10 @@ def chained(name: str, label: str, metric: str, parents: Scope, help_text: str) 
         .include_all(True)
         .current(ALL)
     )
-    # All as `.*` keeps series whose label is empty (a declaration on no known GPU). Not for `job`: the health
-    # row reads `up`, which every scrape job has, so All there must mean the jobs that run kv-exporter (Grafana's
-    # default: the variable's values, joined).
-    return variable if name == "job" else variable.all_value(".*")
+    # All as `.*` keeps series whose label is empty or absent (a declaration on no known GPU, a Prometheus with no
+    # cluster label, a target without a node); `job` and `instance` are on every series: `.+`, as grafana's
+    # dashboard-linter wants (the health row's `up` is kept to the jobs that run kv-exporter by its query).
+    return variable.all_value(".+" if name in ("job", "instance") else ".*")
 
 
 # Every exporter exports its build info, and every engine it knows has a manifest count (0 when undeclared).
@@ -89,22 +95,27 @@ ENGINES = "model_local_kv_engine_manifests"
 DECLARED = "model_local_kv_declaration_info"
 
 
+def before(name: str, scope: Scope = ENGINE) -> Scope:
+    return scope[: scope.index(name)]
+
+
+# Import (Grafana's "Import dashboard"): the data source is asked for once and becomes the variable's default.
+DS_INPUT = "DS_PROMETHEUS"
+
+
 def variables() -> list[Any]:
+    source = dash.DatasourceVariable("datasource").label("Data source").type("prometheus")
     return [
-        dash.DatasourceVariable("datasource").label("Data source").type("prometheus"),
-        chained("job", "Job", EXPORTERS, (), "Prometheus scrape job of the kv-exporter sidecars"),
-        chained("instance", "Instance", EXPORTERS, ("job",), "A kv-exporter sidecar (host:port Prometheus scrapes)"),
+        source.current(model.VariableOption(selected=True, text="Prometheus", value="${" + DS_INPUT + "}")),
+        chained("cluster", "Cluster", EXPORTERS, (), "The cluster (a global ruler's or Prometheus' external label)"),
+        chained("job", "Job", EXPORTERS, before("job"), "Prometheus scrape job of the kv-exporter sidecars"),
+        chained("node", "Node", EXPORTERS, before("node"), "The Kubernetes node the sidecar's pod runs on"),
+        chained("instance", "Instance", EXPORTERS, before("instance"), "A kv-exporter sidecar (host:port scraped)"),
         chained("namespace", "Namespace", DECLARED, HOST, "Kubernetes namespace of the engine's pod"),
-        chained("pod", "Pod", DECLARED, (*HOST, "namespace"), "The engine's pod (kube-state-metrics' pod label)"),
-        chained("model_name", "Model", ENGINES, ENGINE[:4], "vLLM's served model name"),
-        chained("stage", "Stage", ENGINES, ENGINE[:5], "vllm-omni stage id (0 for plain vLLM)"),
-        chained(
-            "engine",
-            "Engine",
-            ENGINES,
-            ENGINE[:6],
-            "vLLM's data-parallel engine index (vllm-omni's replica)",
-        ),
+        chained("pod", "Pod", DECLARED, before("pod"), "The engine's pod (kube-state-metrics' pod label)"),
+        chained("model_name", "Model", ENGINES, before("model_name"), "vLLM's served model name"),
+        chained("stage", "Stage", ENGINES, before("stage"), "vllm-omni stage id (0 for plain vLLM)"),
+        chained("engine", "Engine", ENGINES, before("engine"), "vLLM's data-parallel engine (vllm-omni's replica)"),
         # The GPUs the engines' declarations sit on: the GPUs whose figures an exporter reports.
         chained("gpu", "GPU", DECLARED, HOST, "GPU index as NVML reports it"),
     ]
@@ -136,7 +147,7 @@ def graph(title: str, description: str, unit: str, targets: list[prom.Dataquery]
     return panel
 
 
-OWNER_KEY = "instance, namespace, pod, model_name, stage, engine, owner, cache"
+OWNER_KEY = "cluster, instance, namespace, pod, model_name, stage, engine, owner, cache"
 OWNER_LEGEND = "{{instance}} {{pod}} · {{model_name}} s{{stage}} e{{engine}} · {{owner}} / {{cache}}"
 
 
@@ -172,29 +183,110 @@ def thresholds(*steps: tuple[float | None, str]) -> dash.ThresholdsConfig:
     )
 
 
-UP_DOWN = [
-    model.ValueMap(
-        options={
-            "0": model.ValueMappingResult(text="DOWN", color="red"),
-            "1": model.ValueMappingResult(text="UP", color="green"),
-        }
-    )
-]
-
-
-def up_stat(title: str, description: str, expr: str, legend: str) -> stat.Panel:
-    return (
-        single(title, description, "none", expr, legend)
-        .mappings(UP_DOWN)
-        .thresholds(thresholds((None, "red"), (1, "green")))
-    )
-
-
 GPU_LEGEND = "{{instance}} · GPU {{gpu}}"
 WORKER_LEGEND = "{{instance}} {{pod}} · {{model_name}} s{{stage}} e{{engine}} · GPU {{gpu}}"
 WORKER_KEY = "job, instance, namespace, pod, model_name, stage, engine, gpu, UUID"
 ENGINE_LEGEND = "{{instance}} {{pod}} · {{model_name}} s{{stage}} e{{engine}}"
 DASHED = [model.DynamicConfigValue(id_val="custom.lineStyle", value={"fill": "dash", "dash": [10, 10]})]
+
+
+# Headroom to the limit met first, as a share of the model-local KV declared on the GPU (ModelLocalKVHeadroomLow's
+# measure, docs/alerts.md).
+HEADROOM_SHARE = (
+    f"{sel('model_local_kv_gpu_headroom_bytes', GPU)} / {sel('model_local_kv_gpu_declared_ceiling_bytes', GPU)}"
+)
+TOP = 10  # rows of the fleet row's rankings: readable at a hundred engines
+
+
+def merged_table(
+    title: str,
+    description: str,
+    columns: list[tuple[str, str, str, str]],
+    sort_by: str | None = None,
+    descending: bool = False,
+) -> table.Panel:
+    """One row per series, the instant queries' values side by side: (expr, ref, column, unit) per query, sorted by
+    `sort_by` (the first column by default), so the worst rows come first at any fleet size."""
+    panel = (
+        table.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .show_header(True)
+        .cell_height(common.TableCellHeight.SM)
+    )
+    for expr, ref, _, _ in columns:
+        panel = panel.with_target(query(expr, "", ref, instant=True).format(prom_model.PromQueryFormat.TABLE))
+    renames = {("Value" if len(columns) == 1 else f"Value #{ref}"): name for _, ref, name, _ in columns}
+    hidden = {name: True for name in ("Time", "__name__", "job")}
+    sort = [{"field": sort_by or columns[0][2], "desc": descending}]
+    panel = (
+        panel.with_transformation(model.DataTransformerConfig(id_val="merge", options={}))
+        .with_transformation(
+            model.DataTransformerConfig(id_val="organize", options={"excludeByName": hidden, "renameByName": renames})
+        )
+        .with_transformation(model.DataTransformerConfig(id_val="sortBy", options={"sort": sort}))
+    )
+    for _, _, name, unit in columns:
+        panel = panel.override_by_name(name, [model.DynamicConfigValue(id_val="unit", value=unit)])
+    return panel
+
+
+def fleet_row() -> list[Panel]:
+    """The fleet at a glance: counts, then the worst GPUs, models and owners (TOP each), at any fleet size."""
+    at_risk = single(
+        "GPUs at risk",
+        "GPUs whose headroom at the projected peak is below the shipped ModelLocalKVHeadroomLow default "
+        f"({HEADROOM_MARGIN_FRACTION:.0%} of the model-local KV declared on them), the ones below 0 included.",
+        "none",
+        f"count(({HEADROOM_SHARE}) < {HEADROOM_MARGIN_FRACTION}) or vector(0)",
+        "GPUs at risk",
+    ).thresholds(thresholds((None, "green"), (1, "orange")))
+    over = single(
+        "GPUs that cannot hold their declared peak",
+        "GPUs whose projected peak at max_num_seqs is above the limit met first "
+        "(ModelLocalKVProjectedPeakAboveGPUMemory).",
+        "none",
+        f"count(({HEADROOM_SHARE}) < 0) or vector(0)",
+        "GPUs over memory",
+    ).thresholds(thresholds((None, "green"), (1, "red")))
+    unreadable = single(
+        "Engines without a running count",
+        "Engines no configured metrics page reports (their estimates use 0 rows for max_num_seqs-driven caches).",
+        "none",
+        f"count({sel('model_local_kv_engine_up', ENGINE)} == 0) or vector(0)",
+        "engines unreadable",
+    ).thresholds(thresholds((None, "green"), (1, "orange")))
+    down = single(
+        "Exporters down",
+        "kv-exporter targets Prometheus failed to scrape (ModelLocalKVExporterDown).",
+        "none",
+        f"count(({SCRAPED}) == 0) or vector(0)",
+        "exporters down",
+    ).thresholds(thresholds((None, "green"), (1, "red")))
+    by_model = (
+        f"bottomk({TOP}, min by (model_name) (({HEADROOM_SHARE}) * on (cluster, job, instance, gpu) group_right () "
+        f"group by (cluster, job, instance, gpu, model_name) ({sel(DECLARED, DECLARATION)})))"
+    )
+    unexplained = "cluster, instance, namespace, pod, model_name, stage, engine, owner"
+    rankings = [
+        ("Worst headroom per GPU", "The GPUs with the least headroom at the projected peak, as a share of the "
+         "model-local KV declared on them.", f"bottomk({TOP}, {HEADROOM_SHARE})", "headroom share", "percentunit",
+         False),
+        ("Worst headroom per model", "Per served model, the least headroom share among the GPUs holding its "
+         "declarations.", by_model, "headroom share", "percentunit", False),
+        ("Lowest safe max_num_seqs", "The GPUs whose projected peak allows the fewest running sequences.",
+         f"bottomk({TOP}, {sel('model_local_kv_gpu_safe_max_num_seqs', GPU)})", "safe max_num_seqs", "none", False),
+        ("Most unexplained bytes", "The owners holding the most beyond their declared ceiling (all of it for an "
+         "owner declaring nothing).", f"topk({TOP}, sum by ({unexplained}) "
+         f"({sel('model_local_kv_unexplained_bytes', DECLARATION)}))", "unexplained", "bytes", True),
+    ]  # fmt: skip
+    tables = [
+        merged_table(title, description, [(expr, "A", column, unit)], descending=desc)
+        for title, description, expr, column, unit, desc in rankings
+    ]
+    stats = [panel.height(4).span(6) for panel in (at_risk, over, unreadable, down)]
+    return [*stats, *(panel.height(8).span(12) for panel in tables)]
 
 
 def gpu_row() -> list[Panel]:
@@ -212,30 +304,27 @@ def gpu_row() -> list[Panel]:
             query(sel("model_local_kv_gpu_limit_bytes", GPU), f"limit · {GPU_LEGEND}", "D"),
         ],
     ).override_by_regexp("^(total|limit).*", DASHED)
-    share = single(
-        "Headroom at the projected peak, share of the declared model-local KV",
-        "Headroom to the limit met first / the model-local KV declared on the GPU. Colours as the shipped alerts: "
-        f"red below 0 (ModelLocalKVProjectedPeakAboveGPUMemory), orange below {HEADROOM_MARGIN_FRACTION:.0%} "
-        "(ModelLocalKVHeadroomLow, shipped default; an override in your own rule file is not reflected here).",
-        "percentunit",
-        f"{sel('model_local_kv_gpu_headroom_bytes', GPU)} / {sel('model_local_kv_gpu_declared_ceiling_bytes', GPU)}",
-        GPU_LEGEND,
-    ).thresholds(thresholds((None, "red"), (0, "orange"), (HEADROOM_MARGIN_FRACTION, "green")))
-    headroom = single(
-        "Headroom at the projected peak",
-        "The limit met first (the total, or a worker's allocator cap) minus the projected peak; negative means the "
-        "GPU cannot hold the declared KV at max_num_seqs.",
-        "bytes",
-        sel("model_local_kv_gpu_headroom_bytes", GPU),
-        GPU_LEGEND,
-    ).thresholds(thresholds((None, "blue")))
-    safe = single(
-        "Safe max_num_seqs",
-        "Largest max_num_seqs whose projected peak still fits on the GPU and under every worker's allocator cap.",
-        "none",
-        sel("model_local_kv_gpu_safe_max_num_seqs", GPU),
-        GPU_LEGEND,
-    ).thresholds(thresholds((None, "blue")))
+    per_gpu = merged_table(
+        "Per GPU: headroom, safe max_num_seqs, processes no manifest accounts for",
+        "Each GPU, the least headroom first: headroom to the limit met first / the model-local KV declared on the GPU "
+        f"(red below 0, ModelLocalKVProjectedPeakAboveGPUMemory; orange below {HEADROOM_MARGIN_FRACTION:.0%}, "
+        "ModelLocalKVHeadroomLow's shipped default, an override in your own rule file is not reflected here), the "
+        "headroom in bytes, the largest max_num_seqs whose projected peak still fits on the GPU and under every "
+        "worker's allocator cap, and compute processes that are not this exporter's engines' workers (above 0 the "
+        "GPU is not projected here: docs/deploy.md).",
+        [
+            (HEADROOM_SHARE, "A", "headroom share", "percentunit"),
+            (sel("model_local_kv_gpu_headroom_bytes", GPU), "B", "headroom", "bytes"),
+            (sel("model_local_kv_gpu_safe_max_num_seqs", GPU), "C", "safe max_num_seqs", "none"),
+            (sel("model_local_kv_gpu_other_processes", GPU), "D", "other processes", "none"),
+        ],
+    )
+    binding = merged_table(
+        "Limit met first, per GPU",
+        "Which limit the projected peak meets first: device (the GPU's memory) or worker (a worker's allocator cap, "
+        "vLLM 0.34's extensible KV cache); the headroom and the alerts are to that limit.",
+        [(f"{sel('model_local_kv_gpu_limit_binding', GPU)} == 1", "A", "binding", "none")],
+    )
     went = graph(
         "Where the memory went, per engine",
         "The engine's own paged KV cache as its workers read it (vLLM's budget; an extensible cache's committed "
@@ -252,31 +341,7 @@ def gpu_row() -> list[Panel]:
             ),
         ],
     )
-    binding = single(
-        "Limit met first",
-        "Which limit the projected peak meets first: device (the GPU's memory) or worker (a worker's allocator cap, "
-        "vLLM 0.34's extensible KV cache); the headroom and the alerts are to that limit.",
-        "none",
-        f"{sel('model_local_kv_gpu_limit_binding', GPU)} == 1",
-        f"{GPU_LEGEND} · {{{{limit}}}}",
-    ).thresholds(thresholds((None, "blue")))
-    shared = single(
-        "Processes no manifest accounts for",
-        "Compute processes on the GPU that are not this exporter's engines' workers: above 0 the GPU is not projected "
-        "here (engines of several pods on one GPU are the node-wide exporter's, docs/deploy.md).",
-        "none",
-        sel("model_local_kv_gpu_other_processes", GPU),
-        GPU_LEGEND,
-    ).thresholds(thresholds((None, "green"), (1, "orange")))
-    return [
-        memory.height(9).span(24),
-        share.height(5).span(5),
-        headroom.height(5).span(5),
-        safe.height(5).span(5),
-        binding.height(5).span(5),
-        shared.height(5).span(4),
-        went.height(9).span(24),
-    ]
+    return [memory.height(9).span(24), per_gpu.height(8).span(16), binding.height(8).span(8), went.height(9).span(24)]
 
 
 def kv_row() -> list[Panel]:
@@ -293,7 +358,7 @@ def kv_row() -> list[Panel]:
     return [ceiling.height(9).span(12), estimate.height(9).span(12)]
 
 
-OBSERVED_KEY = "instance, namespace, pod, model_name, stage, engine, owner"
+OBSERVED_KEY = "cluster, instance, namespace, pod, model_name, stage, engine, owner"
 OBSERVED_LEGEND = "{{instance}} {{pod}} · {{model_name}} s{{stage}} e{{engine}} · {{owner}}"
 
 
@@ -327,14 +392,14 @@ def observed_row() -> list[Panel]:
             )
         ],
     )
-    state = single(
+    state = merged_table(
         "Observation per engine",
-        "The engine's observation state: ok, off, unavailable, failing, stale, absent or rejected.",
-        "none",
-        f"{on_gpus('model_local_kv_observation_state')} == 1",
-        f"{ENGINE_LEGEND} · {{{{state}}}}",
+        "Each engine's observation state (ok, off, unavailable, failing, stale, absent or rejected), those that are "
+        "not ok first.",
+        [(f"{on_gpus('model_local_kv_observation_state')} == 1", "A", "is", "none")],
+        sort_by="state",
     )
-    return [beside.height(9).span(12), unexplained.height(9).span(12), state.height(5).span(24)]
+    return [beside.height(9).span(12), unexplained.height(9).span(12), state.height(8).span(24)]
 
 
 def on_gpus(metric: str) -> str:
@@ -357,20 +422,17 @@ def engine_row() -> list[Panel]:
             query(on_gpus("model_local_kv_max_num_seqs"), f"max_num_seqs · {ENGINE_LEGEND}", "B"),
         ],
     ).override_by_regexp("^max_num_seqs.*", DASHED)
-    engine_up = up_stat(
-        "Engine running count readable",
-        "1 when a metrics page reports this engine's running count.",
-        on_gpus("model_local_kv_engine_up"),
-        ENGINE_LEGEND,
+    engines = merged_table(
+        "Engines: running count readable, manifests",
+        "Per engine, those with a problem first: 1 when a metrics page reports its running count; the valid "
+        "manifests matched to it (0 for an engine on a page that no manifest declares).",
+        [
+            (on_gpus("model_local_kv_engine_up"), "A", "readable", "none"),
+            (on_gpus(ENGINES), "B", "manifests", "none"),
+        ],
+        sort_by="readable",
     )
-    manifests = single(
-        "Manifests per engine",
-        "Valid manifests matched to the engine; 0 for an engine on a page that no manifest declares.",
-        "none",
-        on_gpus(ENGINES),
-        ENGINE_LEGEND,
-    ).thresholds(thresholds((None, "red"), (1, "green")))
-    return [running.height(8).span(12), engine_up.height(8).span(6), manifests.height(8).span(6)]
+    return [running.height(8).span(12), engines.height(8).span(12)]
 
 
 def joined(metric: str) -> str:
@@ -409,38 +471,35 @@ def declaration_table() -> list[Panel]:
     return [panel.override_by_name("positions", [positions]).height(10).span(24)]
 
 
+# `up` is in every scrape job: kept to the jobs (of each cluster) that run a kv-exporter, down ones included.
+SCRAPED = (
+    f"{sel('up', HOST)} and on (cluster, job) group by (cluster, job) (last_over_time({sel(EXPORTERS, HOST)}[1h]))"
+)
+
+
 def health_row() -> list[Panel]:
     return [
-        up_stat(
-            "Exporter scraped",
-            "Prometheus' own up series for the kv-exporter scrape jobs.",
-            sel("up", HOST),
-            "{{instance}}",
+        merged_table(
+            "Exporters",
+            "Per kv-exporter, the down ones first: Prometheus' own up series for its scrape, 1 when it can query "
+            "NVML, and its version (model_local_kv_exporter_build_info).",
+            [
+                (SCRAPED, "A", "scraped", "none"),
+                (sel("model_local_kv_nvml_up", HOST), "B", "NVML", "none"),
+                (sel(EXPORTERS, HOST), "C", "build", "none"),
+            ],
+            sort_by="scraped",
         )
-        .height(4)
-        .span(6),
-        up_stat("NVML", "1 when the exporter can query NVML.", sel("model_local_kv_nvml_up", HOST), "{{instance}}")
-        .height(4)
-        .span(6),
-        up_stat(
+        .height(8)
+        .span(12),
+        merged_table(
             "Engine pages",
-            "1 when the exporter read the engine metrics page.",
-            sel("model_local_kv_engine_page_up", HOST),
-            "{{instance}} · {{target}}",
+            "Per configured engine page, the unreadable ones first: 1 when the exporter read it.",
+            [(sel("model_local_kv_engine_page_up", HOST), "A", "page read", "none")],
+            sort_by="page read",
         )
-        .height(4)
-        .span(6),
-        single(
-            "Exporter version",
-            "model_local_kv_exporter_build_info",
-            "none",
-            sel(EXPORTERS, HOST),
-            "{{instance}} · {{version}}",
-        )
-        .text_mode(common.BigValueTextMode.NAME)
-        .thresholds(thresholds((None, "blue")))
-        .height(4)
-        .span(6),
+        .height(8)
+        .span(12),
         graph(
             "Manifests by state",
             "live: counted; stale: writer gone; invalid: rejected.",
@@ -482,6 +541,7 @@ def health_row() -> list[Panel]:
 
 
 SECTIONS: list[tuple[str, Callable[[], list[Panel]]]] = [
+    ("Fleet", fleet_row),
     ("GPU memory", gpu_row),
     ("Model-local KV by owner and cache", kv_row),
     ("Observed beside declared", observed_row),
@@ -509,7 +569,7 @@ def build() -> dash.Dashboard:
         .description("Attention KV that vllm-omni models keep outside vLLM's paged KV manager (kv-exporter).")
         .tags(["kv-exporter", "vllm"])
         .link(VLLM_DASHBOARDS)
-        .editable()
+        .readonly()  # provisioned from this file (dashboard-linter's uneditable-dashboard)
         .tooltip(model.DashboardCursorSync.CROSSHAIR)
         .time("now-1h", "now")
         .refresh("30s")
@@ -541,6 +601,24 @@ def dashboard() -> dict[str, Any]:
         for key in SDK_LEFTOVERS["variable"]:
             variable.pop(key, None)
     encoded["schemaVersion"] = SCHEMA_VERSION
+    encoded["__inputs"] = [
+        {
+            "name": DS_INPUT,
+            "label": "Prometheus",
+            "description": "The Prometheus that scrapes the kv-exporter sidecars (the data source variable's default)",
+            "type": "datasource",
+            "pluginId": "prometheus",
+            "pluginName": "Prometheus",
+        }
+    ]
+    encoded["__requires"] = [
+        {"type": "grafana", "id": "grafana", "name": "Grafana", "version": GRAFANA_VERSION},
+        {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
+        *(
+            {"type": "panel", "id": kind, "name": kind.capitalize(), "version": ""}
+            for kind in sorted({panel["type"] for panel in encoded["panels"] if panel["type"] != "row"})
+        ),
+    ]
     return encoded
 
 

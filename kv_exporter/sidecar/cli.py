@@ -213,7 +213,7 @@ def _limits(serve: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv-exporter", description=__doc__)
-    parser.add_argument("--version", action=_Version, help="show the version, revision and Python, and exit")
+    _version(parser)
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the Prometheus exporter")
@@ -291,7 +291,6 @@ def build_parser() -> argparse.ArgumentParser:
         "%(default)s)",
     )
     _common(serve, DEFAULT_LISTEN_ADDRESS, repeatable=True)
-    serve.add_argument("--version", action=_Version, help="show the version, revision and Python, and exit")
 
     report = commands.add_parser("report", help="print the declarations in a manifest folder, beside what they hold")
     report.add_argument(
@@ -303,7 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="simulated engines, reference manifests and a simulated GPU")
     _common(demo, DEMO_LISTEN_ADDRESS)
+    for command in (serve, report, demo):  # as node_exporter: --version wherever the flags are read
+        _version(command)
     return parser
+
+
+def _version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action=_Version, help="show the version, revision and Python, and exit")
 
 
 def run_serve(args: argparse.Namespace) -> int:

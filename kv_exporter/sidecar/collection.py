@@ -167,6 +167,7 @@ class Collection:
             cap=SeriesCap(self.settings.max_series, self.settings.max_label_bytes),
             manifest_folder=self.settings.manifest_dir,
             manifest_folder_error=self.store.folder_error,
+            manifest_folder_state=self.store.folder_state,
             manifest_errors_total=dict(self.store.errors_total),
             page_errors_total=dict(self.pages.errors_total),
             nvml_errors_total=dict(self.nvml_errors_total),

@@ -26,7 +26,7 @@ from kv_exporter.sidecar.labels import (
 )
 from kv_exporter.sidecar.memory_families import limit_families
 from kv_exporter.sidecar.observed import Observed, ObservedState
-from kv_exporter.sidecar.records import PageResult
+from kv_exporter.sidecar.records import FolderState, PageResult
 from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, Snapshot
 
 # -- metric families -----------------------------------------------------------------------------------------
@@ -348,6 +348,14 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
     manifests = GaugeRows("model_local_kv_manifests", "Manifest files by state.", ("state",))
     for state, count in snapshot.manifest_counts().items():
         manifests.add_metric((state.value,), count)
+    folder = GaugeRows(
+        "model_local_kv_manifest_folder_state",
+        "1 for what listing the manifest folder (--manifest-dir) found this scrape, 0 for the others: ok, missing, "
+        "unreadable (permissions, I/O), not_a_folder.",
+        ("state",),
+    )
+    for folder_state in FolderState:
+        folder.add_metric((folder_state.value,), int(folder_state is snapshot.manifest_folder_state))
     manifest_errors = _counter(
         "model_local_kv_manifest_errors",
         "Invalid manifest file versions seen, by reason.",
@@ -397,7 +405,7 @@ def exporter_families(snapshot: Snapshot) -> list[Metric]:
     )
     build.add_metric((info.version, info.revision, info.python_version), 1)
     errors = [manifest_errors, page_errors, nvml_errors, observation_errors]
-    return [nvml_up, manifests, *errors, dropped, engines_dropped, duration, build]
+    return [nvml_up, manifests, folder, *errors, dropped, engines_dropped, duration, build]
 
 
 def _counter(

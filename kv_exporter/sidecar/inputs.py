@@ -44,7 +44,7 @@ from kv_exporter.sidecar.engine_page import (
 )
 from kv_exporter.sidecar.liveness import State, Verdict, classify
 from kv_exporter.sidecar.observed import FUTURE_TIMESTAMP, ObservedState, worker_state
-from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, engine_key, placement
+from kv_exporter.sidecar.records import FolderState, GpuResult, ManifestEntry, PageResult, engine_key, placement
 from kv_exporter.transport.fetch import Client, timed_out
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class ManifestStore:
         self._cache: dict[str, tuple[FileSignature, Manifest | ManifestError]] = {}
         self.errors_total: Counter[str] = Counter(dict.fromkeys(MANIFEST_ERROR_REASONS, 0))
         self.folder_error: str | None = None
+        self.folder_state = FolderState.OK
 
     def load(self) -> list[tuple[str, Manifest | ManifestError]]:
         """Every manifest file, sorted by path, parsed or with its error."""
@@ -87,8 +88,10 @@ class ManifestStore:
         try:
             entries = list(os.scandir(self.directory))
         except OSError as exc:
+            self.folder_state = folder_state(self.directory, exc)
             self._folder_failed(printable(f"{exc.strerror or exc}"))
             return
+        self.folder_state = FolderState.OK
         self._folder_failed(None)
         for entry in entries:
             if not is_manifest_name(entry.name):
@@ -119,6 +122,15 @@ class ManifestStore:
             log.warning("invalid manifest %s", exc)
             self.errors_total[exc.reason] += 1
             return exc
+
+
+def folder_state(directory: str, error: OSError) -> FolderState:
+    """Why listing `directory` failed, as the folder-state gauge names it."""
+    if isinstance(error, FileNotFoundError):
+        return FolderState.MISSING
+    if isinstance(error, NotADirectoryError):  # the path itself, or a folder on the way to it, is something else
+        return FolderState.NOT_A_FOLDER if os.path.lexists(directory) else FolderState.MISSING
+    return FolderState.UNREADABLE
 
 
 class ObservationAccount:

@@ -7,11 +7,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 from kv_exporter.gpu import SOURCE_SIMULATED, GpuMemory, GpuReadError
 from kv_exporter.manifest import Manifest, ManifestError
 from kv_exporter.sidecar.engine_page import EngineKey, EnginePage, EnginePageError
 from kv_exporter.sidecar.liveness import State, Verdict
+
+
+class FolderState(Enum):
+    """What listing the manifest folder (`--manifest-dir`) found this scrape."""
+
+    OK = "ok"
+    MISSING = "missing"  # no such path (or a link to nothing)
+    UNREADABLE = "unreadable"  # there, but listing it failed: permissions, I/O
+    NOT_A_FOLDER = "not_a_folder"  # a file, a socket, ... where the folder should be
 
 
 @dataclass(frozen=True)

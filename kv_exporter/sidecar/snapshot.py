@@ -30,6 +30,7 @@ from kv_exporter.sidecar.liveness import State, Verdict
 from kv_exporter.sidecar.observed import Observed, ObservedState, OwnerView, observe, worker_state
 from kv_exporter.sidecar.records import (
     DeviceKey,
+    FolderState,
     GpuResult,
     ManifestEntry,
     PageResult,
@@ -130,6 +131,7 @@ class Snapshot:
     observation_errors_total: dict[str, int] = field(default_factory=dict)
     series_dropped: tuple[str, ...] = ()  # live manifests left out by the series cap (paths)
     engines_dropped: int = 0  # engines only a page shows, left out by the series cap
+    manifest_folder_state: FolderState = FolderState.OK
 
     def manifest_counts(self) -> dict[State, int]:
         counts = dict.fromkeys(State, 0)
@@ -350,6 +352,7 @@ def build_snapshot(
     cap: SeriesCap = NO_CAP,
     manifest_folder: str = "",
     manifest_folder_error: str | None = None,
+    manifest_folder_state: FolderState = FolderState.OK,
     manifest_errors_total: dict[str, int] | None = None,
     page_errors_total: dict[tuple[str, str], int] | None = None,
     nvml_errors_total: dict[str, int] | None = None,
@@ -398,4 +401,5 @@ def build_snapshot(
         observation_errors_total=dict(observation_errors_total or {}),
         series_dropped=tuple(sorted(e.path for e in dropped)),
         engines_dropped=limited.page_engines_dropped,
+        manifest_folder_state=manifest_folder_state,
     )

@@ -12,7 +12,8 @@ from typing import Any
 from tests.deploy.helpers import Prometheus, dashboard, dashboard_targets
 
 # vLLM's dashboards' variables (examples/observability in the vLLM repository), plus ours; named as their labels.
-FILTER_VARIABLES = ("job", "instance", "namespace", "pod", "model_name", "stage", "engine", "gpu")
+# `cluster` (a global ruler's external label) and `node` (the monitors' relabeling) are on every series.
+FILTER_VARIABLES = ("cluster", "job", "node", "instance", "namespace", "pod", "model_name", "stage", "engine", "gpu")
 # A metric and its label matchers, as the dashboard writes them (`on (...)`/`by (...)` lists hold no metric names).
 SELECTOR = re.compile(r"(?<![\w:])(model_local_kv_[a-z_]+|up)\b(\{[^}]*\})?")
 # The interval macros at the tests' short scrape interval.

@@ -1,19 +1,24 @@
 """dashboards/kv-exporter.json: generated from dashboards/build.py, linted, every query valid PromQL.
 
-The lint rules follow Grafana's dashboard-linter (which is a Go tool, not installable here): the data source
-is a variable, every panel and query uses it, rate-like functions use $__rate_interval, query variables reload
-on time change; plus layout and contract checks of our own.
+The lint rules are Grafana's dashboard-linter's (a Go tool no registry here ships: tests/deploy/dashboard_linter.py
+implements them): the data source is a variable, every panel and query uses it, rate-like functions use
+$__rate_interval, query variables reload on time change, the dashboard is not editable; plus layout and contract
+checks of our own.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
+from tests.deploy.dashboard_linter import RULES, lint
 from tests.deploy.grafana import FILTER_VARIABLES, SELECTOR, interpolate
 from tests.deploy.helpers import (
     contract_metrics,
@@ -32,14 +37,25 @@ def panels() -> list[dict[str, Any]]:
     return [p for p in dashboard()["panels"] if p["type"] != "row"]
 
 
+def fleet_panels() -> set[int]:
+    """The ids of the panels under the first row, the fleet row."""
+    ids, row = set(), None
+    for panel in dashboard()["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+        elif row == "Fleet":
+            ids.add(panel["id"])
+    return ids
+
+
 def test_generated_files_are_current() -> None:
     # As a module from the checkout, so that it reads this checkout's kv_exporter, not an installed copy.
     run(sys.executable, "-m", "deploy.generate", "--check")
 
 
 def test_variables_follow_vllm_conventions() -> None:
-    """datasource, then job, instance, model_name, stage, engine, gpu: multi-select with All, reloaded on time
-    change, each chained on the ones before it (label_values filtered by them)."""
+    """datasource, then cluster, job, node, instance, namespace, pod, model_name, stage, engine, gpu: multi-select
+    with All, reloaded on time change, each chained on the ones before it (label_values filtered by them)."""
     variables = dashboard()["templating"]["list"]
     assert [v["name"] for v in variables] == ["datasource", *FILTER_VARIABLES]
     assert variables[0]["type"] == "datasource" and variables[0]["query"] == "prometheus"
@@ -52,9 +68,9 @@ def test_variables_follow_vllm_conventions() -> None:
         parents = set(re.findall(r'(\w+)=~"\$(\w+)"', variable["query"]))
         assert {(label, label) for label in FILTER_VARIABLES[:before] if label in ("job", "instance")} <= parents
         assert {p for p, _ in parents} <= set(FILTER_VARIABLES[:before]), f"${name} filters by a later variable"
-    # All as `.*` everywhere but `job`, where it must stay the jobs that run kv-exporter (`up` is in every job).
+    # All as `.+` where the label is on every series (dashboard-linter's rule), `.*` where it may be absent.
     assert {v["name"]: v.get("allValue") for v in variables[1:]} == {
-        name: None if name == "job" else ".*" for name in FILTER_VARIABLES
+        name: ".+" if name in ("job", "instance") else ".*" for name in FILTER_VARIABLES
     }
 
 
@@ -90,10 +106,16 @@ def test_every_query_is_filtered_by_job_and_instance() -> None:
 
 
 def test_legends_name_the_instance() -> None:
+    """Every legend names its exporter, but the fleet row's counts (one value for the fleet)."""
+    fleet = fleet_panels()
     for panel in panels():
+        if panel["id"] in fleet:
+            assert panel["type"] == "table" or "instance" not in panel["targets"][0]["expr"].split("count(")[0]
+            continue
         for target in panel["targets"]:
             if panel["type"] == "table":
-                assert "instance" not in panel["transformations"][-1]["options"]["excludeByName"]
+                (organize,) = [x for x in panel["transformations"] if x["id"] == "organize"]
+                assert "instance" not in organize["options"]["excludeByName"]
             else:
                 assert "{{instance}}" in target["legendFormat"], f"{panel['title']}: {target['legendFormat']}"
 
@@ -163,7 +185,7 @@ def test_required_views_are_present() -> None:
         "model_local_kv_nvml_up",
     ):
         assert metric in exprs, metric
-    table = next(p for p in panels() if p["type"] == "table")
+    table = next(p for p in panels() if p["title"] == "Declarations")
     assert all("capacity_source" in t["expr"] and "rows_reason" in t["expr"] for t in table["targets"])
 
 
@@ -176,3 +198,79 @@ def test_every_query_is_valid_promql(tmp_path: Path) -> None:
     path = tmp_path / "dashboard-queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     run(tool("promtool"), "check", "rules", str(path))
+
+
+def test_dashboard_linter_rules_pass() -> None:
+    """grafana/dashboard-linter's rules (tests/deploy/dashboard_linter.py): today's main failed template-job-rule and
+    template-instance-rule (allValue) and uneditable-dashboard."""
+    problems = {rule: found for rule, found in lint(dashboard()).items() if found}
+    assert not problems
+
+
+def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    """A mutation: the value at `path` (keys and list indexes, dot-separated; `name=X` picks a list item)."""
+
+    def mutate(board: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node: Any = board
+        for key in parents:
+            if "=" in key:
+                field, wanted = key.split("=")
+                node = next(item for item in node if item.get(field) == wanted)
+            else:
+                node = node[int(key)] if key.isdigit() else node[key]
+        node[last] = value
+
+    return mutate
+
+
+def _first_target(board: dict[str, Any]) -> dict[str, Any]:
+    target: dict[str, Any] = next(p for p in board["panels"] if p.get("targets"))["targets"][0]
+    return target
+
+
+MUTATIONS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "template-datasource-rule": _set("templating.list.0.name", "ds"),
+    "template-job-rule": _set("templating.list.name=job.allValue", ".*"),
+    "template-instance-rule": _set("templating.list.name=instance.multi", False),
+    "template-label-promql-rule": _set("templating.list.name=pod.query", "label_values(up{, pod)"),
+    "template-on-time-change-reload-rule": _set("templating.list.name=gpu.refresh", 1),
+    "panel-datasource-rule": lambda b: next(p for p in b["panels"] if p["type"] == "timeseries").update(
+        datasource={"type": "prometheus", "uid": "prometheus"}
+    ),
+    "panel-title-description-rule": lambda b: next(p for p in b["panels"] if p["type"] == "stat").pop("description"),
+    "panel-units-rule": lambda b: next(p for p in b["panels"] if p["type"] == "timeseries")["fieldConfig"][
+        "defaults"
+    ].update(unit="furlongs"),
+    "panel-no-targets-rule": lambda b: next(p for p in b["panels"] if p["type"] == "stat").pop("targets"),
+    "target-promql-rule": lambda b: _first_target(b).update(expr='sum(up{job=~"$job",instance=~"$instance"}'),
+    "target-rate-interval-rule": lambda b: _first_target(b).update(
+        expr='rate(up{job=~"$job",instance=~"$instance"}[5m])'
+    ),
+    "target-job-rule": lambda b: _first_target(b).update(expr='up{instance=~"$instance"}'),
+    "target-instance-rule": lambda b: _first_target(b).update(expr='up{job=~"$job"}'),
+    "target-counter-agg-rule": lambda b: _first_target(b).update(
+        expr='model_local_kv_manifest_errors_total{job=~"$job",instance=~"$instance"}'
+    ),
+    "uneditable-dashboard": _set("editable", True),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_each_linter_rule_can_fail(rule: str) -> None:
+    board = copy.deepcopy(dashboard())
+    MUTATIONS[rule](board)
+    assert lint(board)[rule], f"{rule} passed a dashboard that breaks it"
+
+
+def test_inputs_let_grafana_import_it() -> None:
+    """Grafana's import asks for each `__inputs` data source and writes it where `${NAME}` stands: here the data
+    source variable's default. `__requires` names the Grafana version and every plugin the panels use."""
+    board = dashboard()
+    (source_input,) = board["__inputs"]
+    assert (source_input["type"], source_input["pluginId"]) == ("datasource", "prometheus")
+    (variable,) = [v for v in board["templating"]["list"] if v["type"] == "datasource"]
+    assert variable["current"]["value"] == "${" + source_input["name"] + "}"
+    required = {(r["type"], r["id"]) for r in board["__requires"]}
+    assert {("grafana", "grafana"), ("datasource", "prometheus")} <= required
+    assert {("panel", p["type"]) for p in panels()} <= required

@@ -86,8 +86,11 @@ def test_validation_rejects_broken_resources(kind: str, path: list[Any], value: 
         validate(doc)
 
 
+WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
+
+
 def pod_specs(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "DaemonSet")]
+    return [d["spec"]["template"]["spec"] for d in docs if d["kind"] in WORKLOADS]
 
 
 def containers(docs: list[dict[str, Any]], name: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -186,17 +189,32 @@ def test_monitor_scrapes_the_exporter_port(rendered: tuple[Path, list[dict[str, 
     assert (relabel["targetLabel"], relabel["replacement"]) == ("job", "kv-exporter")
     # The exporter's pod labels name the engine's pod: kept over the target's (the sidecar's pod).
     assert endpoints[0]["honorLabels"] is True
+    # The node the pod runs on, as kube-prometheus labels node_exporter's series (tests/deploy/test_dashboard_fleet.py
+    # runs these relabelings in a real Prometheus).
+    node = {"action": "replace", "sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}
+    assert node in endpoints[0]["relabelings"]
+
+
+def container_name_seen(env: dict[str, Any], pod_annotations: dict[str, str]) -> str:
+    """What KV_EXPORTER_CONTAINER_NAME resolves to in the pod: its value, or the pod annotation it reads."""
+    item = env["KV_EXPORTER_CONTAINER_NAME"]
+    if "value" in item:
+        return str(item["value"])
+    path = item["valueFrom"]["fieldRef"]["fieldPath"]
+    assert path.startswith("metadata.annotations['"), path
+    return pod_annotations[path.removeprefix("metadata.annotations['").removesuffix("']")]
 
 
 def test_every_engine_container_names_its_pod_for_the_manifests(rendered: tuple[Path, list[dict[str, Any]]]) -> None:
     _, docs = rendered
-    engines = containers(docs, "vllm")
+    pods = [d["spec"]["template"] for d in docs if d["kind"] in WORKLOADS]
+    engines = [(pod, c) for pod in pods for c in pod["spec"]["containers"] if c["name"] == ENGINE]
     assert engines or find(docs, "DaemonSet"), "no engine container and no node-wide sidecar"
-    for _, engine in engines:
+    for pod, engine in engines:
         env = {e["name"]: e for e in engine["env"]}
         assert env["KV_EXPORTER_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
         assert env["KV_EXPORTER_POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
-        assert env["KV_EXPORTER_CONTAINER_NAME"]["value"] == engine["name"]
+        assert container_name_seen(env, pod["metadata"].get("annotations", {})) == engine["name"]
 
 
 def test_prometheusrule_is_the_rules_file(rendered: tuple[Path, list[dict[str, Any]]]) -> None:
@@ -246,9 +264,11 @@ def by_name(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def test_sidecar_component_adds_the_sidecar_and_nothing_else() -> None:
-    """The user's engine container keeps every field it had and gains only the manifest volume and the four
-    variables; its other containers, the Deployment's selector and a Deployment without the annotation are as
-    the user wrote them; the rendered resources validate and the sidecar is wired as in the base."""
+    """Each of the user's containers keeps every field it had and gains only the manifest volume and the four
+    variables (kustomize can address a container only by a name written in the component); the sidecar comes after
+    them; the pod learns the engine container's name from the one annotation the user sets, and kubectl still
+    defaults to the engine. The Deployment's selector and a Deployment without the annotation are as the user wrote
+    them; the rendered resources validate and the sidecar is wired as in the base."""
     (written, router_written) = yaml.safe_load_all((OWN_ENGINE / "engine.yaml").read_text())
     docs = kustomize(OWN_ENGINE)
     for doc in docs:
@@ -256,16 +276,20 @@ def test_sidecar_component_adds_the_sidecar_and_nothing_else() -> None:
     assert find(docs, "Deployment", "my-router")[0] == router_written
     (rendered,) = find(docs, "Deployment", "my-llm")
     assert rendered["spec"]["selector"] == written["spec"]["selector"]
+    named = written["metadata"]["annotations"]["kv-exporter/engine-container"]
+    assert rendered["spec"]["template"]["metadata"]["annotations"] == {
+        "kv-exporter/engine-container": named,
+        "kubectl.kubernetes.io/default-container": named,
+    }
     before, after = written["spec"]["template"]["spec"], rendered["spec"]["template"]["spec"]
-    original, now = by_name(before["containers"]), by_name(after["containers"])
-    assert set(now) == {*original, SIDECAR}
-    assert now["auth-proxy"] == original["auth-proxy"]
-    engine, was = copy.deepcopy(now[ENGINE]), original[ENGINE]
-    env, mounts = by_name(engine.pop("env")), by_name(engine.pop("volumeMounts"))
-    assert set(env) == set(by_name(was["env"])) | ADDED_ENV
-    assert all(env[name] == item for name, item in by_name(was["env"]).items())
-    assert set(mounts) == set(by_name(was["volumeMounts"])) | {"kv-manifests"}
-    assert engine == {k: v for k, v in was.items() if k not in ("env", "volumeMounts")}
+    assert [c["name"] for c in after["containers"]] == [*(c["name"] for c in before["containers"]), SIDECAR]
+    for was, now in zip(before["containers"], after["containers"], strict=False):
+        now = copy.deepcopy(now)
+        env, mounts = by_name(now.pop("env")), by_name(now.pop("volumeMounts"))
+        assert set(env) == set(by_name(was.get("env", []))) | ADDED_ENV
+        assert all(env[name] == item for name, item in by_name(was.get("env", [])).items())
+        assert set(mounts) == set(by_name(was.get("volumeMounts", []))) | {"kv-manifests"}
+        assert now == {k: v for k, v in was.items() if k not in ("env", "volumeMounts")}
     assert by_name(after["volumes"]) == {
         **by_name(before["volumes"]),
         "kv-manifests": {"name": "kv-manifests", "emptyDir": {"sizeLimit": "16Mi"}},

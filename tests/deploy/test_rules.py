@@ -256,13 +256,24 @@ def test_invalid_manifest_alert_lasts_while_the_file_stays() -> None:
     by_name = {a["alert"]: a for a in alerts()}
     assert "increase(model_local_kv_manifest_errors_total" in by_name["ModelLocalKVManifestErrors"]["expr"]
     (invalid,) = [a for a in alerts() if 'model_local_kv_manifests{state="invalid"}' in a["expr"]]
-    assert "[" not in invalid["expr"] and "offset" not in invalid["expr"], "a window would let it go quiet"
+    # A window on the error counter would let it go quiet; the gauge's last value within 5 minutes holds it through
+    # a scrape gap (tests/deploy/test_rule_gaps.py) and no longer.
+    assert "increase" not in invalid["expr"] and "offset" not in invalid["expr"], "a window would let it go quiet"
     cases = [case for test in yaml.safe_load(RULES_TEST.read_text())["tests"] for case in test["alert_rule_test"]]
     quiet = {c["eval_time"] for c in cases if c["alertname"] == "ModelLocalKVManifestErrors" and not c["exp_alerts"]}
     late = [c for c in cases if c["alertname"] == invalid["alert"] and c["eval_time"] in quiet and c["exp_alerts"]]
     assert late, "never shown firing while the error alert is quiet"
     instances = {a["exp_labels"]["instance"] for c in late for a in c["exp_alerts"]}
     assert {"pod-a:9477", "pod-b:9477"} <= instances  # appeared later; there before the exporter started
+
+
+def test_records_keep_every_label_but_those_they_sum_away() -> None:
+    """`sum by (job, instance, ...)` dropped `cluster`, `namespace` and `pod`: under a global ruler (Thanos, Mimir)
+    two clusters' engines merged. Every recording rule that sums says what it sums away; the promtool tests record
+    two clusters' engines apart (kv-exporter.rules.test.yml)."""
+    for rule in recorded(RULES):
+        summed = re.findall(r"\bsum\s*(by|without)?\s*\(", rule["expr"])
+        assert all(how == "without" for how in summed), f"{rule['record']}: {rule['expr']}"
 
 
 def _github_anchor(heading: str) -> str:

@@ -1,6 +1,7 @@
 """Manifest folder faults against the real sidecar process: missing, deleted while serving, unreadable, rewritten
 while being read. /metrics answers 200 throughout, the folder error is counted once per outage (not per scrape),
-and the sidecar picks the manifests up again as soon as they are readable."""
+the folder-state gauge says what is wrong for as long as it is (and `ok` again once fixed), and the sidecar picks the
+manifests up again as soon as they are readable."""
 
 from __future__ import annotations
 
@@ -19,15 +20,24 @@ from tests.support.sidecar import Sidecar, serve_args, sidecar
 
 ERRORS = "model_local_kv_manifest_errors_total"
 SCRAPES = 3
+FOLDER_STATES = ("ok", "missing", "unreadable", "not_a_folder")
+
+
+def assert_folder_state(s: Samples, state: str) -> None:
+    """One series per state, 1 for the folder's (as model_local_kv_observation_state)."""
+    shown = {name: pick(s, "model_local_kv_manifest_folder_state", state=name) for name in FOLDER_STATES}
+    assert shown == {name: float(name == state) for name in FOLDER_STATES}
 
 
 def assert_declared(s: Samples, manifest: Manifest) -> None:
+    assert_folder_state(s, "ok")
     assert manifest_states(s) == (1, 0, 0)
     assert pick(s, "model_local_kv_max_num_seqs", model_name=MODEL) == manifest.max_num_seqs
     assert total(s, "model_local_kv_ceiling_bytes") == ceiling_bytes(manifest)
 
 
-def assert_folder_unreadable(s: Samples, outages: int) -> None:
+def assert_folder_unreadable(s: Samples, outages: int, state: str) -> None:
+    assert_folder_state(s, state)
     assert manifest_states(s) == (0, 0, 0)
     assert pick(s, "model_local_kv_manifest_errors_total", reason="folder_unreadable") == outages
     assert absent(s, "model_local_kv_ceiling_bytes")
@@ -39,7 +49,7 @@ def test_folder_missing_at_start_then_created(tmp_path: Path) -> None:
     folder = tmp_path / "m"
     with sidecar(tmp_path, *serve_args(folder)) as sc:
         for _ in range(SCRAPES):
-            assert_folder_unreadable(sc.samples(), outages=1)
+            assert_folder_unreadable(sc.samples(), outages=1, state="missing")
         manifest = live_manifest()
         write_manifest(folder, manifest)
         assert_declared(sc.samples(), manifest)
@@ -55,11 +65,11 @@ def test_folder_deleted_while_serving_then_recreated(tmp_path: Path) -> None:
         assert_declared(sc.samples(), manifest)
         shutil.rmtree(folder)
         for _ in range(SCRAPES):
-            assert_folder_unreadable(sc.samples(), outages=1)
+            assert_folder_unreadable(sc.samples(), outages=1, state="missing")
         write_manifest(folder, manifest)
         assert_declared(sc.samples(), manifest)
         shutil.rmtree(folder)  # a second outage is counted again
-        assert_folder_unreadable(sc.samples(), outages=2)
+        assert_folder_unreadable(sc.samples(), outages=2, state="missing")
         assert sc.stop() == 0
 
 
@@ -68,7 +78,7 @@ def test_a_file_where_the_folder_should_be(tmp_path: Path) -> None:
     folder.write_text("not a folder\n")
     with sidecar(tmp_path, *serve_args(folder)) as sc:
         for _ in range(SCRAPES):
-            assert_folder_unreadable(sc.samples(), outages=1)
+            assert_folder_unreadable(sc.samples(), outages=1, state="not_a_folder")
         folder.unlink()
         manifest = live_manifest()
         write_manifest(folder, manifest)
@@ -83,7 +93,7 @@ def test_folder_without_permission(tmp_path: Path) -> None:
     folder.chmod(0o000)
     with sidecar(tmp_path, *serve_args(folder), permission_bits=True) as sc:
         for _ in range(SCRAPES):
-            assert_folder_unreadable(sc.samples(), outages=1)
+            assert_folder_unreadable(sc.samples(), outages=1, state="unreadable")
         folder.chmod(0o755)
         assert_declared(sc.samples(), manifest)
         assert sc.stop() == 0

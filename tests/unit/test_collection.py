@@ -6,7 +6,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from kv_exporter.sidecar.engine_page import EngineTarget, scan_page
 from kv_exporter.sidecar.families import families
 from kv_exporter.sidecar.inputs import ManifestStore, assess
 from kv_exporter.sidecar.liveness import State
-from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult
+from kv_exporter.sidecar.records import FolderState, GpuResult, ManifestEntry, PageResult
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
 from kv_exporter.sidecar.snapshot import DeclarationView, Snapshot, build_snapshot, safe_max_num_seqs
 from tests.support.constants import GIB, OTHER_NS, QWEN_ROW, UUID0
@@ -238,6 +238,45 @@ def test_store_missing_folder(tmp_path: Path) -> None:
     assert +store.errors_total == {"folder_unreadable": 1}
 
 
+def _file(path: Path) -> Path:
+    path.write_text("not a folder\n")
+    return path
+
+
+def _under_a_file(path: Path) -> Path:
+    return _file(path) / "m"
+
+
+def _dangling_link(path: Path) -> Path:
+    path.symlink_to(path.parent / "gone")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "state"),
+    [
+        (lambda p: p, FolderState.MISSING),
+        (_dangling_link, FolderState.MISSING),
+        (_under_a_file, FolderState.MISSING),
+        (_file, FolderState.NOT_A_FOLDER),
+        (lambda p: p.mkdir() or p, FolderState.OK),
+    ],
+    ids=["missing", "dangling-link", "under-a-file", "a-file", "ok"],
+)
+def test_store_says_what_the_folder_is_and_the_page_shows_it(
+    tmp_path: Path, make: Callable[[Path], Path], state: FolderState
+) -> None:
+    """A wrong --manifest-dir, the classic set-up mistake, is one gauge with a series per state (1 for the folder's),
+    for as long as it lasts: the error counter alone counted it once. (Unreadable needs permission bits that root
+    ignores: tests/reliability/test_manifest_faults.py runs it against the real sidecar.)"""
+    store = ManifestStore(str(make(tmp_path / "m")))
+    store.load()
+    assert store.folder_state is state
+    snap = build_snapshot([], [], GpuResult(False, None), manifest_folder_state=store.folder_state)
+    (gauge,) = [f for f in families(snap) if f.name == "model_local_kv_manifest_folder_state"]
+    assert {s.labels["state"]: s.value for s in gauge.samples} == {f.value: int(f is state) for f in FolderState}
+
+
 # -- single flight ------------------------------------------------------------------------------------------
 
 
@@ -330,7 +369,7 @@ def test_every_family_is_documented_and_in_the_contract() -> None:
     docs = (Path(__file__).resolve().parent.parent.parent / "docs").resolve()
     snap = snapshot([reference_manifest(QWEN3_TTS)], [page("Qwen3-TTS", 1)])
     names = {f.name + ("_total" if f.type == "counter" else "") for f in families(snap)}
-    assert len(names) == 58
+    assert len(names) == 59
     for doc in ("metrics.md", "CONTRACTS.md"):
         text = (docs / doc).read_text()
         missing = {n for n in names if f"`{n}" not in text}
