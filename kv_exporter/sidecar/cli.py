@@ -16,6 +16,7 @@ from kv_exporter.sidecar.collection import DEFAULT_COLLECTION_TIMEOUT_S
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
 from kv_exporter.sidecar.http import DEFAULT_LISTEN_ADDRESS, DEMO_LISTEN_ADDRESS, ExporterServer, parse_listen_address
 from kv_exporter.sidecar.logs import FORMATS, LEVELS, setup_logging
+from kv_exporter.sidecar.running import DEFAULT_WINDOW_S, MAX_WINDOW_S
 from kv_exporter.sidecar.stopping import StopRequest
 from kv_exporter.transport.connection import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_REQUESTS, Limits
 
@@ -69,6 +70,13 @@ def _engine_url(text: str) -> EngineTarget:
         return EngineTarget.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _running_window(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= MAX_WINDOW_S:
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {MAX_WINDOW_S:g} seconds, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -219,12 +227,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the Prometheus exporter")
     serve.add_argument("--manifest-dir", default=DEFAULT_MANIFEST_DIR, help="default %(default)s")
     serve.add_argument(
+        "--running-window",
+        type=_running_window,
+        default=DEFAULT_WINDOW_S,
+        metavar="SECONDS",
+        help="model_local_kv_running_sequences_max is the most any step ran over this many seconds, read from the "
+        "workers' step records: set it to the scrape interval (default %(default)g)",
+    )
+    serve.add_argument(
         "--engine-url",
         action="append",
         type=_engine_url,
         default=[],
         metavar="URL",
-        help="an engine's metrics URL (repeatable); http://host:port means http://host:port/metrics",
+        help="an engine's metrics URL (repeatable; optional): the running count for workers that keep no step record "
+        "(an older hook), and a cross-check for those that do; http://host:port means http://host:port/metrics",
     )
     serve.add_argument(
         "--engine-timeout",
@@ -330,6 +347,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_series=args.max_series,
         deadline_s=args.collection_timeout,
         max_label_bytes=args.max_label_bytes,
+        running_window_s=args.running_window,
     )
     collection = Collection(settings, reader)
     try:

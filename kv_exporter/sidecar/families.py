@@ -13,6 +13,7 @@ from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.exposition import CounterRows, GaugeRows
 from kv_exporter.sidecar.observed import Observed, ObservedState
 from kv_exporter.sidecar.records import PageResult
+from kv_exporter.sidecar.running_families import running_families
 from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, Snapshot
 
 # -- metric families -----------------------------------------------------------------------------------------
@@ -87,15 +88,26 @@ class _Declared:
         """`views`: the declarations of this `Declared`, in its order, at this scrape's running counts."""
         estimate = GaugeRows(
             "model_local_kv_estimated_bytes",
-            "Bytes at the live running count capped at max_num_seqs (rows_fixed for driver=fixed; 0 rows for "
-            "driver=max_num_seqs while the engine cannot be read).",
+            "Bytes at the sequences the engine runs now (its workers' latest step, else its page), capped at "
+            "max_num_seqs (rows_fixed for driver=fixed; 0 rows for driver=max_num_seqs while that is unknown).",
+            DECLARATION_LABELS,
+        )
+        peak = GaugeRows(
+            "model_local_kv_estimated_peak_bytes",
+            "Bytes at the most sequences any step of the engine's workers ran over the last --running-window "
+            "seconds, capped at max_num_seqs (rows_fixed for driver=fixed); absent where no worker keeps a step "
+            "record.",
             DECLARATION_LABELS,
         )
         held = [v.estimate_bytes for v in views]
+        most = [v.peak_bytes for v in views]
         for labels, at in self.groups:
             estimate.add_metric(labels, held[at[0]] if len(at) == 1 else sum(held[i] for i in at))
+            peaks = [most[i] for i in at]
+            if None not in peaks:
+                peak.add_metric(labels, sum(peaks))  # type: ignore[arg-type]  # no None left
         per_row, ceiling, positions, info = self.unmoving
-        return [per_row, ceiling, estimate, positions, info]
+        return [per_row, ceiling, estimate, peak, positions, info]
 
 
 class DeclarationFamilies:
@@ -115,9 +127,11 @@ class DeclarationFamilies:
 def engine_families(engines: Sequence[EngineView], pages: Sequence[PageResult]) -> list[Metric]:
     running = GaugeRows(
         "model_local_kv_running_sequences",
-        "Running sequences read from the engine's metrics page (per stage capped by the pipeline gauge).",
+        "Sequences the engine runs now: its workers' latest step (a step that ended over a second ago: 0), or, for "
+        "workers that keep no step record, its metrics page's running count at the scrape.",
         ENGINE_LABELS,
     )
+
     max_seqs = GaugeRows("model_local_kv_max_num_seqs", "max_num_seqs from its manifests.", ENGINE_LABELS)
     up = GaugeRows("model_local_kv_engine_up", "1 if its running count was read this scrape.", ENGINE_LABELS)
     manifests = GaugeRows(
@@ -125,8 +139,8 @@ def engine_families(engines: Sequence[EngineView], pages: Sequence[PageResult]) 
         "Live valid manifests matched to this engine (0: the engine runs but declares nothing here).",
         ENGINE_LABELS,
     )
-    for view in engines:
-        labels = (*_engine(view.key), *_pod(view.pod))
+    labelled = [((*_engine(view.key), *_pod(view.pod)), view) for view in engines]
+    for labels, view in labelled:
         if view.running is not None:
             running.add_metric(labels, view.running)
         if view.max_num_seqs is not None:
@@ -136,7 +150,8 @@ def engine_families(engines: Sequence[EngineView], pages: Sequence[PageResult]) 
     page_up = GaugeRows("model_local_kv_engine_page_up", "1 if the page was fetched and read.", ("target",))
     for page in pages:
         page_up.add_metric((page.target,), int(page.page is not None))
-    return [running, max_seqs, up, manifests, page_up]
+    most, state, difference = running_families(labelled, ENGINE_LABELS)
+    return [running, most, max_seqs, up, manifests, state, difference, page_up]
 
 
 def gpu_families(gpus: Sequence[GpuView]) -> list[Metric]:

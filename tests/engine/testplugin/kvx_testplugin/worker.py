@@ -113,10 +113,17 @@ class StepArms:
 
 class KvxRequestsCPUModelRunner(CPUModelRunner):
     step_arms: StepArms | None = None
+    # (began, ended, sequences) of each step, CLOCK_MONOTONIC seconds, while a test asks for them (`kvx_steps`): the
+    # worker's batches seen from inside the runner, independently of kv-exporter's step record.
+    step_log: list[tuple[float, float | None, int]] | None = None
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         arms = self.step_arms
         pair, on = arms.choose() if arms is not None else (0, True)
+        log = self.step_log
+        if log is not None:
+            log.append((time.monotonic(), None, len(scheduler_output.num_scheduled_tokens)))
+            at = len(log) - 1
         started = time.perf_counter_ns()
         try:
             owners = getattr(self.model, "kvx_observed", None)
@@ -125,6 +132,8 @@ class KvxRequestsCPUModelRunner(CPUModelRunner):
                 owners.schedule(scheduler_output.num_scheduled_tokens, finished)
             return super().execute_model(scheduler_output, *args, **kwargs)
         finally:
+            if log is not None:
+                log[at] = (log[at][0], time.monotonic(), log[at][2])
             if arms is not None:
                 scheduled = scheduler_output.num_scheduled_tokens
                 decode = bool(scheduled) and max(scheduled.values()) == 1
@@ -153,6 +162,14 @@ class KvxRequestsCPUWorker(cpu_worker.CPUWorker):
             observe.start(self._kvx_on_sample)
         sampler = observer.sampler
         return "running" if sampler is not None and sampler.running else "paused"
+
+    def kvx_steps(self, state: str) -> list[tuple[float, float | None, int]]:
+        """ "on": log every step from now on (CLOCK_MONOTONIC seconds, which other processes of the machine share);
+        "collect": the steps logged since the last call (a step still running has no end yet)."""
+        runner = self.model_runner
+        assert isinstance(runner, KvxRequestsCPUModelRunner)
+        logged, runner.step_log = runner.step_log or [], []
+        return logged if state == "collect" else []
 
     def kvx_step_arms(self, state: str) -> list[tuple[int, bool, int, bool, int]]:
         """ "on": from the next step, steps in pairs with the hooks on and off (observation must be running);
