@@ -231,8 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_running_window,
         default=DEFAULT_WINDOW_S,
         metavar="SECONDS",
-        help="model_local_kv_running_sequences_max is the most any step ran over this many seconds, read from the "
-        "workers' step records: set it to the scrape interval (default %(default)g)",
+        help="the most any step ran over this many seconds (the scrape interval; default %(default)g)",
     )
     serve.add_argument(
         "--engine-url",
@@ -240,8 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_engine_url,
         default=[],
         metavar="URL",
-        help="an engine's metrics URL (repeatable; optional): the running count for workers that keep no step record "
-        "(an older hook), and a cross-check for those that do; http://host:port means http://host:port/metrics",
+        help="an engine's metrics URL, repeatable, optional: the count of workers without a step record, else a "
+        "cross-check; http://host:port means http://host:port/metrics",
     )
     serve.add_argument(
         "--engine-timeout",

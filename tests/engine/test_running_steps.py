@@ -19,15 +19,18 @@ another.
 
 from __future__ import annotations
 
+import functools
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 
-from tests.engine.server import MAX_NUM_SEQS, Server, start_server
+from tests.engine.server import MAX_NUM_SEQS, SERVED_NAME, Server, start_server
 from tests.engine.tinymodel import build_model
-from tests.loadgen import LoadGenerator
 from tests.support.scrape import Samples, absent, parse, pick
 from tests.support.sidecar import Sidecar, start_sidecar
 
@@ -38,6 +41,7 @@ BUCKET_S = 1.0  # the record's buckets: the window's most may reach one bucket f
 CLIENTS = MAX_NUM_SEQS + 4  # always more requests than a step may run
 TOKENS = 120
 LOAD_S = 20.0
+ENGINE_TIMEOUT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -50,11 +54,15 @@ class Step:
         return self.began <= end and self.ended >= start
 
 
-@dataclass(frozen=True)
+@dataclass
 class Scrape:
     sent: float
     answered: float
-    samples: Samples
+    text: str  # parsed once the load is over: parsing takes this process's share of the two loaded cores
+
+    @functools.cached_property
+    def samples(self) -> Samples:
+        return parse(self.text)
 
     def value(self, name: str) -> float:
         return pick(self.samples, name, model_name="kvx-tiny")
@@ -70,19 +78,49 @@ class Run:
     load_ended: float
 
 
+# The clients run in a process of their own: in this one they would hold up the scrapes' own timing (the GIL).
+LOAD_SCRIPT = """
+import json, sys, threading, time, urllib.request
+url, model, clients, tokens, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+done, errors, deadline = [0], [], time.monotonic() + seconds
+def client(i):
+    n = 0
+    while time.monotonic() < deadline:
+        body = {"model": model, "prompt": f"The quick brown fox {i} {n}", "max_tokens": tokens, "temperature": 0,
+                "ignore_eos": True}
+        request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=120).read()
+            done[0] += 1
+        except Exception as exc:
+            errors.append(repr(exc))
+            return
+        n += 1
+threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(json.dumps({"completed": done[0], "errors": errors}))
+"""
+
+
+def start_load(server: Server) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-c", LOAD_SCRIPT, server.url("/v1/completions"), SERVED_NAME]
+    return subprocess.Popen([*argv, str(CLIENTS), str(TOKENS), str(LOAD_S)], stdout=subprocess.PIPE, text=True)
+
+
 def timed_scrape(sidecar: Sidecar) -> Scrape:
     sent = time.monotonic()
     text = sidecar.text()
-    return Scrape(sent, time.monotonic(), parse(text))
+    return Scrape(sent, time.monotonic(), text)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     workdir = tmp_path_factory.mktemp("running")
     model = build_model(workdir / "model")
-    server = start_server(
-        workdir / "engine", model, args=["--worker-cls", WORKER], env={"VLLM_SERVER_DEV_MODE": "1"}
-    )
+    # A shutdown grace period: vLLM 0.32 SIGKILLs its engine core without one, and the clean exit is checked last.
+    args = ["--worker-cls", WORKER, "--shutdown-timeout", "10"]
+    server = start_server(workdir / "engine", model, args=args, env={"VLLM_SERVER_DEV_MODE": "1"})
     sidecar: Sidecar | None = None
     try:
         server.wait_ready()
@@ -90,22 +128,20 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             workdir,
             f"--manifest-dir={server.manifest_dir}",
             f"--engine-url={server.url('/metrics')}",
+            # The page is a cross-check here: under this load vLLM's API server answers it seconds late.
+            f"--engine-timeout={ENGINE_TIMEOUT_S:g}",
             f"--running-window={WINDOW_S:g}",
             "--no-nvml",
         )
         server.collective_rpc("kvx_steps", "on")
-
-        def send(client: int, n: int) -> object:
-            return server.completion(f"The quick brown fox {client} {n}", TOKENS)
-
         during: list[Scrape] = []
-        with LoadGenerator(send, CLIENTS) as load:
-            started = time.monotonic()
-            while time.monotonic() - started < LOAD_S:
-                during.append(timed_scrape(sidecar))
-                time.sleep(0.05)
+        load = start_load(server)
+        while load.poll() is None:
+            during.append(timed_scrape(sidecar))
+            time.sleep(0.05)
         load_ended = time.monotonic()
-        assert not load.errors, load.errors[:3]
+        outcome = json.loads(load.communicate(timeout=60)[0])
+        assert not outcome["errors"] and outcome["completed"] >= CLIENTS, outcome
         time.sleep(WINDOW_S + BUCKET_S + RECENT_S + 0.5)
         after = timed_scrape(sidecar)
         [logged] = server.collective_rpc("kvx_steps", "collect")
@@ -121,6 +157,24 @@ def counts(run: Run, start: float, end: float) -> set[int]:
     return {s.count for s in run.steps if s.overlaps(start, end)}
 
 
+def idle_somewhere(run: Run, start: float, end: float) -> bool:
+    """Whether at some instant R in [start, end] no step overlapped [R - 1 s, R]: a step covers [began, ended + 1]."""
+    covered = start
+    for step in sorted((s for s in run.steps if s.overlaps(start - RECENT_S, end)), key=lambda s: s.began):
+        if step.began > covered:
+            return True
+        covered = max(covered, step.ended + RECENT_S)
+    return covered < end
+
+
+def possible(run: Run, scrape: Scrape) -> set[int]:
+    """What the scrape may say: the sidecar reads the record at some instant R between the request and the answer
+    (on this loaded 2-core machine it was at times kept off the CPU for seconds in between), and then says the
+    batch of a step that ran in the second before R, or 0 where none did."""
+    ran = counts(run, scrape.sent - RECENT_S, scrape.answered)
+    return ran | {0} if idle_somewhere(run, scrape.sent, scrape.answered) else ran
+
+
 def loaded(run: Run) -> list[Scrape]:
     """The scrapes whose last second (and window) the logged steps cover entirely: after the first logged step."""
     first = run.steps[0].began
@@ -131,26 +185,25 @@ def test_the_worker_ran_the_load(run: Run) -> None:
     assert len(run.steps) > 100, len(run.steps)
     assert max(s.count for s in run.steps) == MAX_NUM_SEQS, "the load never filled a step"
     durations = sorted(round(s.answered - s.sent, 3) for s in run.during)
-    assert len(loaded(run)) >= 10, (len(run.during), durations)
+    assert len(loaded(run)) >= 5, (len(run.during), durations)
 
 
 def test_each_running_count_is_a_batch_of_the_second_before_the_answer(run: Run) -> None:
     wrong = []
     for scrape in loaded(run):
         running = scrape.value("model_local_kv_running_sequences")
-        ran = counts(run, scrape.answered - RECENT_S, scrape.answered)
-        allowed = ran or {0}
-        if running not in allowed:
-            wrong.append((round(scrape.answered - run.steps[0].began, 3), running, sorted(ran)))
-    assert not wrong, f"(s into the log, exported, batches of the second before): {wrong[:10]}"
+        if running not in possible(run, scrape):
+            t0 = run.steps[0].began
+            ran = sorted(counts(run, scrape.sent - RECENT_S, scrape.answered))
+            wrong.append((round(scrape.sent - t0, 3), round(scrape.answered - t0, 3), running, ran))
+    assert not wrong, f"(request and answer, s into the log; exported; batches of the second before): {wrong[:10]}"
 
 
 def test_never_zero_while_every_step_of_the_last_second_ran(run: Run) -> None:
     zeros = [
         scrape
         for scrape in loaded(run)
-        if scrape.value("model_local_kv_running_sequences") == 0
-        and min(counts(run, scrape.answered - RECENT_S, scrape.answered), default=0) >= 1
+        if scrape.value("model_local_kv_running_sequences") == 0 and 0 not in possible(run, scrape)
     ]
     assert not zeros, [round(s.answered - run.steps[0].began, 3) for s in zeros]
 
@@ -158,8 +211,10 @@ def test_never_zero_while_every_step_of_the_last_second_ran(run: Run) -> None:
 def test_the_window_s_most_is_what_the_steps_ran(run: Run) -> None:
     for scrape in loaded(run):
         most = scrape.value("model_local_kv_running_sequences_max")
-        least = max(counts(run, scrape.sent - WINDOW_S, scrape.sent), default=0)
-        highest = max(counts(run, scrape.answered - WINDOW_S - BUCKET_S, scrape.answered), default=0)
+        # Read between the request and the answer: at least what ran from a window before the answer to the
+        # request, at most what ran from a window (one bucket wider) before the request to the answer.
+        least = max(counts(run, scrape.answered - WINDOW_S, scrape.sent), default=0)
+        highest = max(counts(run, scrape.sent - WINDOW_S - BUCKET_S, scrape.answered), default=0)
         assert least <= most <= highest, (scrape.answered - run.steps[0].began, least, most, highest)
     assert max(s.value("model_local_kv_running_sequences_max") for s in loaded(run)) == MAX_NUM_SEQS
 
