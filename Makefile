@@ -14,9 +14,9 @@ UNIT_VENV  := .venv-unit
 UNIT_STAMP := $(UNIT_VENV)/.installed
 UNIT_TESTS := tests/unit tests/golden
 # The plugin's C extensions (the cache tracker, the step record's writer), built in place by the editable installs
-# (shared by every 3.11 venv here):
-# rebuilt when its source changes, and required to import, since pip treats its build as optional (an image
-# without a compiler still installs the plugin, which then reports its observation "not-built").
+# (shared by every 3.11 venv here): rebuilt when a source changes, and required to import, since pip treats their
+# build as optional (an image without a compiler still installs the plugin, which then reports its observation
+# "not-built" and keeps no step record).
 TRACKER_SOURCE := kv_exporter/plugin/observe/_tracker.c kv_exporter/plugin/_steps.c
 TRACKER_STAMP  := $(VENV)/.tracker-built
 
