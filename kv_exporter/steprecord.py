@@ -65,6 +65,8 @@ NEVER = -1  # the index of a bucket never written
 SEQ_OFFSET = 48
 _SEQ = struct.Struct("<Q")
 _COUNTERS = struct.Struct("<QQQQqqQ")  # seq, steps, finished, latest, latest_started_ns, latest_finished_ns, unreadable
+_STATE_AT = 32
+_STATE = struct.Struct("<qq" + _COUNTERS.format.removeprefix("<"))  # pid, start_time_ticks, then the counters
 _BUCKETS_AT = HEADER_BYTES
 READ_ATTEMPTS = 4  # a write takes tens of nanoseconds: a copy that caught one is taken again
 
@@ -82,6 +84,10 @@ def new_record(pid: int, start_time_ticks: int | None) -> bytes:
     return header + BUCKET.pack(NEVER, 0) * BUCKET_COUNT
 
 
+# What every version 1 record starts with: magic, version and geometry (its first 32 bytes, before the pid).
+_GEOMETRY = new_record(0, 0)[:_STATE_AT]
+
+
 class RecordProblem(str, Enum):
     """Why a record cannot be used (a metric label)."""
 
@@ -89,33 +95,33 @@ class RecordProblem(str, Enum):
     TORN = "torn"  # a write never finished: the writer died or hangs in it
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepRecord:
-    """A consistent copy of a record."""
+    """A consistent copy of a record (not frozen: one is made for every worker at every scrape)."""
 
     pid: int
     start_time_ticks: int
+    seq: int
     steps: int
     finished: int
     latest: int | None  # None: the latest step's count could not be read
     latest_started_ns: int
     latest_finished_ns: int
     unreadable: int
-    buckets: bytes  # BUCKET_COUNT x BUCKET, as written
-    bucket_ns: int
-    seq: int
+    data: bytes  # the whole copy, buckets included
 
     @property
     def in_step(self) -> bool:
         return self.steps > self.finished
 
-    def most_since(self, first_index: int) -> int:
-        """The most any step ran in a bucket from `first_index` on (0: none did)."""
-        most = 0
-        for index, count in BUCKET.iter_unpack(self.buckets):
-            if index >= first_index and count > most:
-                most = count
-        return most
+    def bucket(self, index: int) -> int:
+        """The most any step ran in second `index` (`time_ns // BUCKET_NS`); 0 where its slot holds another."""
+        held, most = BUCKET.unpack_from(self.data, _BUCKETS_AT + (index % BUCKET_COUNT) * BUCKET.size)
+        return int(most) if held == index else 0
+
+    def most_in(self, first: int, last: int) -> int:
+        """The most any step ran in the seconds `first` to `last` (indices, at most the buckets held)."""
+        return max((self.bucket(index) for index in range(max(first, last - BUCKET_COUNT + 1), last + 1)), default=0)
 
 
 def read_consistent(read: Callable[[], bytes]) -> StepRecord | RecordProblem:
@@ -135,19 +141,15 @@ def read_consistent(read: Callable[[], bytes]) -> StepRecord | RecordProblem:
 
 def decode(data: bytes) -> StepRecord | RecordProblem:
     """One copy's fields; `torn` where a write was in progress when it was taken."""
-    if len(data) != RECORD_BYTES:
+    if len(data) != RECORD_BYTES or not data.startswith(_GEOMETRY):
         return RecordProblem.INVALID
-    (magic, version, header_bytes, bucket_count, _, bucket_ns, pid, ticks, seq, steps, finished, latest, started,
-     ended, unreadable) = HEADER.unpack_from(data)  # fmt: skip
-    geometry = (header_bytes, bucket_count, bucket_ns) == (HEADER_BYTES, BUCKET_COUNT, BUCKET_NS)
-    if magic != MAGIC or version != VERSION or not geometry or finished > steps:
+    pid, ticks, seq, steps, finished, latest, started, ended, unreadable = _STATE.unpack_from(data, _STATE_AT)
+    if finished > steps:
         return RecordProblem.INVALID
     if seq & 1:
         return RecordProblem.TORN
-    return StepRecord(
-        pid, ticks, steps, finished, None if latest == UNKNOWN else latest, started, ended, unreadable,
-        data[_BUCKETS_AT:], bucket_ns, seq,
-    )  # fmt: skip
+    count = None if latest == UNKNOWN else latest
+    return StepRecord(pid, ticks, seq, steps, finished, count, started, ended, unreadable, data)
 
 
 class RecordWriter:

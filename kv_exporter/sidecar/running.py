@@ -16,14 +16,22 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from kv_exporter.manifest import Manifest
 from kv_exporter.printable import printable
 from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.records import ManifestEntry, engine_key
-from kv_exporter.steprecord import RECORD_BYTES, RecordProblem, StepRecord, read_consistent, record_name
+from kv_exporter.steprecord import (
+    BUCKET_COUNT,
+    BUCKET_NS,
+    RECORD_BYTES,
+    RecordProblem,
+    StepRecord,
+    read_consistent,
+    record_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +41,8 @@ RECENT_S = 1.0  # a step that ended this long ago still runs "now"; past it the 
 STALL_AFTER_S = 60.0  # one step running this long: the process lives, its steps have stopped
 TORN_AFTER_S = 1.0  # a write this long in progress: its writer died or hangs in it
 RETRY_S = 1.0  # how often a missing record is looked for again
+SETTLE_NS = 50_000_000  # past a second's end by this, its bucket is final: the writer's coarse clock lags a tick
+_RECENT_NS, _STALL_NS, _TORN_NS = (int(s * 1e9) for s in (RECENT_S, STALL_AFTER_S, TORN_AFTER_S))
 MAX_OPEN = 512  # descriptors kept open; the server's connections need theirs too
 
 
@@ -59,8 +69,7 @@ WORST_FIRST = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Running:
+class Running(NamedTuple):
     """Sequences running now and the most over the window; None where unknown."""
 
     state: RunningState
@@ -71,23 +80,57 @@ class Running:
 ABSENT = Running(RunningState.ABSENT)
 
 
-def judge(record: StepRecord, now_ns: int, window_ns: int, max_num_seqs: int) -> Running:
-    """A worker's running count at `now_ns` (CLOCK_MONOTONIC), from a consistent record."""
-    if record.in_step:
+def judge(record: StepRecord, now_ns: int, most: int, max_num_seqs: int) -> Running:
+    """A worker's running count at `now_ns` (CLOCK_MONOTONIC), from a consistent record and the most its buckets
+    hold over the window (`window_most`)."""
+    if record.steps > record.finished:  # in a step
         ran_for = now_ns - record.latest_started_ns
-        state = RunningState.STALLED if ran_for >= STALL_AFTER_S * 1e9 else RunningState.STEPPING
+        state = RunningState.STALLED if ran_for >= _STALL_NS else RunningState.STEPPING
         latest = record.latest
-    elif record.steps and now_ns - record.latest_finished_ns <= RECENT_S * 1e9:
+    elif record.steps and now_ns - record.latest_finished_ns <= _RECENT_NS:
         state, latest = RunningState.STEPPING, record.latest
     else:
         state, latest = RunningState.IDLE, 0
-    most = record.most_since((now_ns - window_ns) // record.bucket_ns)
     if latest is None:
         return Running(RunningState.UNREADABLE, None, most)
     most = max(most, latest)
     if most > max_num_seqs:  # no step runs more than its engine's max_num_seqs
         return Running(RunningState.INVALID)
     return Running(state, latest, most)
+
+
+def window_most(record: StepRecord, now_ns: int, window_ns: int) -> int:
+    """The most any step ran in the seconds the window reaches (one bucket wider at most)."""
+    return record.most_in((now_ns - window_ns) // BUCKET_NS, now_ns // BUCKET_NS)
+
+
+class _Buckets:
+    """A record's buckets over the window, kept between reads: a second the writer can no longer write (its clock is
+    coarse: SETTLE_NS after its end) is read once, so a read looks at the seconds since the last one, not the
+    whole window."""
+
+    __slots__ = ("settled", "through", "top")
+
+    def __init__(self) -> None:
+        self.settled: list[tuple[int, int]] = []  # (second, most) of settled seconds with a step, oldest first
+        self.through = -1  # the last second read as settled
+        self.top = 0  # the most of `settled`
+
+    def most(self, record: StepRecord, now_ns: int, window_ns: int) -> int:
+        first, now = (now_ns - window_ns) // BUCKET_NS, now_ns // BUCKET_NS
+        settled = (now_ns - SETTLE_NS) // BUCKET_NS - 1
+        for second in range(max(first, self.through + 1, settled - BUCKET_COUNT + 1), settled + 1):
+            if most := record.bucket(second):
+                self.settled.append((second, most))
+                self.top = max(self.top, most)
+        self.through = max(self.through, settled)
+        if self.settled and self.settled[0][0] < first:
+            self.settled = [kept for kept in self.settled if kept[0] >= first]
+            self.top = max((most for _, most in self.settled), default=0)
+        recent = self.top
+        for second in range(max(first, settled + 1), now + 1):  # the one or two seconds still written
+            recent = max(recent, record.bucket(second))
+        return recent
 
 
 def engine_running(workers: Iterable[Running]) -> Running:
@@ -101,11 +144,12 @@ def engine_running(workers: Iterable[Running]) -> Running:
 
 
 class _Open:
-    __slots__ = ("fd", "last_good", "path", "since_torn", "torn_seq")
+    __slots__ = ("buckets", "fd", "last_good", "path", "since_torn", "torn_seq")
 
     def __init__(self, path: str, fd: int | None) -> None:
         self.path = path
         self.fd = fd  # None: opened for each read
+        self.buckets = _Buckets()
         self.last_good: StepRecord | None = None
         self.since_torn = 0.0
         self.torn_seq = -1
@@ -151,11 +195,11 @@ class StepRecords:
             self._close(path)
             self._missing[path] = now_ns
             return ABSENT
-        running = (
-            Running(RunningState(record.value))
-            if isinstance(record, RecordProblem)
-            else judge(record, now_ns, self.window_ns, manifest.max_num_seqs)
-        )
+        if isinstance(record, RecordProblem):
+            running = Running(RunningState(record.value))
+        else:
+            most = found.buckets.most(record, now_ns, self.window_ns)
+            running = judge(record, now_ns, most, manifest.max_num_seqs)
         self._account(path, running.state)
         return running
 
@@ -187,7 +231,7 @@ class StepRecords:
             return record
         if found.torn_seq != found.last_good.seq:
             found.torn_seq, found.since_torn = found.last_good.seq, now_ns
-        return record if now_ns - found.since_torn >= TORN_AFTER_S * 1e9 else found.last_good
+        return record if now_ns - found.since_torn >= _TORN_NS else found.last_good
 
     def _close(self, path: str) -> None:
         found = self._open.pop(path, None)

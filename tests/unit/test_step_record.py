@@ -5,6 +5,7 @@ hook's C writer writes the same bytes)."""
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 from dataclasses import replace
@@ -28,6 +29,7 @@ from kv_exporter.sidecar.running import (
     engine_running,
     engines_running,
     judge,
+    window_most,
 )
 from kv_exporter.sidecar.snapshot import WORKERS, Snapshot, build_snapshot
 from kv_exporter.steprecord import (
@@ -70,32 +72,33 @@ def test_a_new_record_has_run_nothing() -> None:
     record = decode(new_record(4242, 77))
     assert isinstance(record, StepRecord)
     assert (record.pid, record.start_time_ticks, record.steps, record.finished) == (4242, 77, 0, 0)
-    assert len(new_record(1, None)) == RECORD_BYTES and record.most_since(0) == 0
+    assert len(new_record(1, None)) == RECORD_BYTES and record.most_in(T0 // BUCKET_NS, T0 // BUCKET_NS + 200) == 0
 
 
 def test_steps_and_their_buckets() -> None:
     record = written((3, T0, T0 + S // 10), (8, T0 + 2 * S, T0 + 2 * S + 1), (5, T0 + 3 * S, None))
     assert (record.steps, record.finished, record.latest, record.in_step) == (3, 2, 5, True)
     assert record.latest_started_ns == T0 + 3 * S and record.latest_finished_ns == T0 + 2 * S + 1
-    assert record.most_since(T0 // BUCKET_NS) == 8
-    assert record.most_since(T0 // BUCKET_NS + 3) == 5  # only the step that began in that second
-    assert record.most_since(T0 // BUCKET_NS + 4) == 0
+    second = T0 // BUCKET_NS
+    assert record.most_in(second, second + 3) == 8
+    assert record.most_in(second + 3, second + 3) == 5  # only the step that began in that second
+    assert record.most_in(second + 4, second + 10) == 0
 
 
 def test_a_step_counts_in_the_second_it_ends_in_too() -> None:
     record = written((6, T0, T0 + 5 * S // 2))
-    assert record.most_since(T0 // BUCKET_NS + 2) == 6
+    assert record.most_in(T0 // BUCKET_NS + 2, T0 // BUCKET_NS + 2) == 6
 
 
 def test_a_bucket_is_reset_when_a_later_second_takes_its_slot() -> None:
     later = T0 + 128 * S  # the same slot, 128 s on
     record = written((7, T0, T0 + 1), (2, later, later + 1))
-    assert record.most_since(T0 // BUCKET_NS) == 2
+    assert record.most_in(T0 // BUCKET_NS, T0 // BUCKET_NS + 128) == 2
 
 
 def test_an_unreadable_count_is_counted_and_known_as_such() -> None:
     record = written((4, T0, T0 + 1), (None, T0 + S, None))
-    assert record.latest is None and record.unreadable == 1 and record.most_since(0) == 4
+    assert record.latest is None and record.unreadable == 1 and record.most_in(T0 // BUCKET_NS, T0 // BUCKET_NS) == 4
 
 
 @pytest.mark.parametrize(
@@ -159,36 +162,60 @@ def test_the_record_is_named_after_its_manifest() -> None:
 # -- judging it at the scrape -----------------------------------------------------------------------------------
 
 
+def judged(record: StepRecord, now: int, max_num_seqs: int) -> Running:
+    return judge(record, now, window_most(record, now, WINDOW), max_num_seqs)
+
+
 def test_a_running_step_runs_its_sequences() -> None:
     record = written((8, T0, T0 + S), (5, T0 + 2 * S, None))
-    assert judge(record, T0 + 3 * S, WINDOW, 8) == Running(RunningState.STEPPING, 5, 8)
+    assert judged(record, T0 + 3 * S, 8) == Running(RunningState.STEPPING, 5, 8)
 
 
 def test_a_step_that_ended_within_a_second_still_runs_and_then_nothing_does() -> None:
     record = written((6, T0, T0 + S))
-    assert judge(record, T0 + S + int(RECENT_S * S), WINDOW, 8) == Running(RunningState.STEPPING, 6, 6)
-    assert judge(record, T0 + S + int(RECENT_S * S) + 1, WINDOW, 8) == Running(RunningState.IDLE, 0, 6)
-    assert judge(record, T0 + 20 * S, WINDOW, 8) == Running(RunningState.IDLE, 0, 0)  # the window has passed
+    assert judged(record, T0 + S + int(RECENT_S * S), 8) == Running(RunningState.STEPPING, 6, 6)
+    assert judged(record, T0 + S + int(RECENT_S * S) + 1, 8) == Running(RunningState.IDLE, 0, 6)
+    assert judged(record, T0 + 20 * S, 8) == Running(RunningState.IDLE, 0, 0)  # the window has passed
+
+
+def test_the_window_s_most_kept_between_reads_is_the_whole_window_s() -> None:
+    """A reader keeps the settled seconds between reads (`_Buckets`): at every read, what it gives is what reading
+    every bucket of the window gives."""
+    rng = random.Random(7)
+    data = bytearray(new_record(1, 1))
+    writer, kept = RecordWriter(data), running_module._Buckets()
+    now = T0  # the writer's (coarse) clock; the reader's runs ahead of it by up to a tick (SETTLE_NS allows 50 ms)
+    for _ in range(3000):
+        now += rng.choice((1_000_000, 20_000_000, 400_000_000, 3 * S))
+        if rng.random() < 0.7:
+            writer.begin(rng.randrange(65), now)
+            now += rng.randrange(5_000_000)
+            writer.end(now)
+        record = decode(bytes(data))
+        assert isinstance(record, StepRecord)
+        read_at = now + rng.randrange(4_000_000)
+        assert kept.most(record, read_at, WINDOW) == window_most(record, read_at, WINDOW)
+        now = max(now, read_at - 4_000_000)
 
 
 def test_a_worker_that_never_stepped_is_idle() -> None:
-    assert judge(written(), T0, WINDOW, 8) == Running(RunningState.IDLE, 0, 0)
+    assert judged(written(), T0, 8) == Running(RunningState.IDLE, 0, 0)
 
 
 def test_one_step_running_for_a_minute_is_stalled_and_still_holds_its_sequences() -> None:
     record = written((4, T0, None))
-    assert judge(record, T0 + int(STALL_AFTER_S * S) - 1, WINDOW, 8).state is RunningState.STEPPING
-    assert judge(record, T0 + int(STALL_AFTER_S * S), WINDOW, 8) == Running(RunningState.STALLED, 4, 4)
+    assert judged(record, T0 + int(STALL_AFTER_S * S) - 1, 8).state is RunningState.STEPPING
+    assert judged(record, T0 + int(STALL_AFTER_S * S), 8) == Running(RunningState.STALLED, 4, 4)
 
 
 def test_counts_above_max_num_seqs_are_refused() -> None:
-    assert judge(written((9, T0, None)), T0, WINDOW, 8) == Running(RunningState.INVALID)
-    assert judge(written((9, T0, T0), (2, T0 + S, None)), T0 + S, WINDOW, 8) == Running(RunningState.INVALID)
+    assert judged(written((9, T0, None)), T0, 8) == Running(RunningState.INVALID)
+    assert judged(written((9, T0, T0), (2, T0 + S, None)), T0 + S, 8) == Running(RunningState.INVALID)
 
 
 def test_an_unreadable_latest_step_gives_no_count_but_the_window_s_most() -> None:
     record = written((4, T0, T0 + 1), (None, T0 + S, None))
-    assert judge(record, T0 + S, WINDOW, 8) == Running(RunningState.UNREADABLE, None, 4)
+    assert judged(record, T0 + S, 8) == Running(RunningState.UNREADABLE, None, 4)
 
 
 def test_an_engine_is_the_most_of_its_workers_in_the_worst_state() -> None:
@@ -310,7 +337,7 @@ def test_a_write_left_unfinished_is_torn_once_it_has_lasted(tmp_path: Path, monk
         data[SEQ_OFFSET] |= 1
         path.write_bytes(bytes(data))
         assert records.read([entry])[entry.path] == good  # a writer descheduled mid-write: the last good copy
-        monkeypatch.setattr(running_module, "TORN_AFTER_S", 0.0)
+        monkeypatch.setattr(running_module, "_TORN_NS", 0)
         assert records.read([entry])[entry.path] == Running(RunningState.TORN)
     finally:
         records.close()
