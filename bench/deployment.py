@@ -291,6 +291,10 @@ def verify(running: Running, layout: Layout) -> None:
     ]
     if down:
         raise RuntimeError(f"engines not read: {down}")
-    absent = [line for line in text.splitlines() if 'state="absent"} 1.0' in line]
+    absent = [
+        line
+        for line in text.splitlines()
+        if line.startswith("model_local_kv_running_state{") and line.endswith('state="absent"} 1.0')
+    ]
     if absent:
         raise RuntimeError(f"workers without a step record: {absent}")

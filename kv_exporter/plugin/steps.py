@@ -52,16 +52,17 @@ def attach(runner: Any, manifest_path: Path, process: ProcessInfo) -> Path | Non
         warn_once("steps:not-built", "kv-exporter: the step record's writer is not built; no step record")
         return None
     current = getattr(runner, METHOD, None)
+    if current is None:  # not a model runner (nothing steps through it): nothing to record
+        return None
     if isinstance(current, StepWrapper):  # the warm-up manifest, after the load one
         return next((path for path, record in _records.open.items() if record is current.record), None)
     path = manifest_path.with_name(record_name(manifest_path.name))
     made = False
     try:
-        method = getattr(runner, METHOD)
         mapped = _mapped(path, process)
         made = True
         record = Record(mapped)
-        setattr(runner, METHOD, StepWrapper(method, record))
+        setattr(runner, METHOD, StepWrapper(current, record))
     except Exception as exc:
         warn_once("steps:attach", "kv-exporter: no step record for %s (%r); the model runs as before", path, exc)
         if made:

@@ -18,8 +18,14 @@ import pytest
 from kv_exporter.manifest import ProcessInfo
 from kv_exporter.plugin import steps
 from kv_exporter.plugin._steps import Record, StepWrapper
+from kv_exporter.plugin.oncelog import reset_for_tests
 from kv_exporter.steprecord import BUCKET_NS, RECORD_BYTES, RecordWriter, StepRecord, decode, new_record
 from tests.support.constants import REPO
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings() -> None:
+    reset_for_tests()  # one warning per kind of failure per process: each test sees its own
 
 
 class SchedulerOutput:
@@ -67,7 +73,7 @@ def test_each_step_writes_its_sequences_and_returns_what_the_method_returns() ->
     assert [c[1] for c in runner.calls] == [None, "tensors", None]
     # The coarse clock: within a tick (a few ms) of CLOCK_MONOTONIC.
     assert before - 10_000_000 <= record.latest_started_ns <= record.latest_finished_ns <= time.monotonic_ns()
-    assert record.most_since(before // BUCKET_NS - 1) == 7
+    assert record.most_in(before // BUCKET_NS - 1, time.monotonic_ns() // BUCKET_NS) == 7
 
 
 def test_a_dummy_run_runs_no_request_and_is_not_a_step() -> None:
@@ -200,6 +206,11 @@ def test_attach_makes_the_record_beside_the_manifest_and_wraps_the_instance(tmp_
     assert (record.pid, record.start_time_ticks, record.latest) == (process.pid, process.start_time_ticks, 4)
     assert steps.writer_of(path) == (process.pid, process.start_time_ticks)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary file left"
+
+
+def test_an_object_without_execute_model_gets_no_record(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    assert steps.attach(object(), tmp_path / "o.json", ProcessInfo.current()) is None
+    assert list(tmp_path.iterdir()) == [] and not caplog.records
 
 
 def test_a_runner_that_cannot_be_wrapped_leaves_no_record(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
