@@ -158,13 +158,20 @@ def declaration_views(
         known = running.get(engine)
         count = known[0] if known else None
         most = workers.get(engine, ABSENT).most
+        rows_of: dict[tuple[object, ...], tuple[int, int | None]] = {}  # an engine's declarations share few rules
         for index in at:
             placed = ordered[index]
-            # Engine unreadable: MAX_NUM_SEQS rows fall back to 0, so the projected peak stays an upper bound.
-            rows = placed.rows_at(count)
-            per_row = placed.declaration.bytes_per_row
-            peak = None if most is None else per_row * placed.rows_at(most)
-            views[index] = DeclarationView(placed, count, rows, per_row * rows, peak)
+            d = placed.declaration
+            rule = (d.rows, d.rows_fixed, placed.max_num_seqs)
+            rows_and_peak = rows_of.get(rule)
+            if rows_and_peak is None:
+                # Engine unreadable: MAX_NUM_SEQS rows fall back to 0, so the projected peak stays an upper bound.
+                rows_and_peak = rows_of[rule] = (placed.rows_at(count), None if most is None else placed.rows_at(most))
+            rows, peak_rows = rows_and_peak
+            per_row = d.bytes_per_row
+            views[index] = DeclarationView(
+                placed, count, rows, per_row * rows, None if peak_rows is None else per_row * peak_rows
+            )
     return views
 
 
