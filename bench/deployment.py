@@ -73,6 +73,10 @@ class Layout:
     def gpus_used(self) -> int:
         return len({self.place(worker)[2] for worker in range(self.workers)})
 
+    @property
+    def stages_used(self) -> int:
+        return len({self.place(worker)[0] for worker in range(self.workers)})
+
 
 # Target 1: 8 GPUs x 3 stages x 6 declarations (144), one worker per (stage, GPU), three engine pages.
 SCRAPE_LAYOUT = Layout(workers=24, per_worker=6)
@@ -177,6 +181,7 @@ class Running:
     engine_ports: tuple[int, ...]
     sidecar: Sidecar
     folder: Path
+    pages: bool = False  # the sidecar reads the engines' pages too (each stage's engine on its page)
 
     @property
     def port(self) -> int:
@@ -211,7 +216,7 @@ def start_deployment(
     write_deployment(manifests, layout, engines.pid)
     wait_for_records(manifests, layout.workers)
     sidecar = start_sidecar(kids, layout, folder, engines.pid, engine_ports if pages else (), extra)
-    running = Running(engines, engine_ports, sidecar, folder)
+    running = Running(engines, engine_ports, sidecar, folder, pages)
     verify(running, layout)
     return running
 
@@ -278,7 +283,8 @@ def verify(running: Running, layout: Layout) -> None:
     text = text_page(running.port)
     expected = {
         "model_local_kv_bytes_per_row{": layout.declarations,
-        "model_local_kv_engine_up{": layout.stages,
+        # An engine is seen where a worker keeps its record, or, where pages are read, on its stage's page.
+        "model_local_kv_engine_up{": layout.stages if running.pages else layout.stages_used,
         "model_local_kv_gpu_headroom_bytes{": layout.gpus,
         "model_local_kv_gpu_process_memory_bytes{": layout.gpus_used,
     }
