@@ -4,6 +4,7 @@ hook's C writer writes the same bytes)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import threading
@@ -19,6 +20,7 @@ from kv_exporter.sidecar import running as running_module
 from kv_exporter.sidecar.engine_page import EngineKey, scan_page
 from kv_exporter.sidecar.liveness import State, Verdict
 from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult
+from kv_exporter.sidecar.report import run_report
 from kv_exporter.sidecar.running import (
     ABSENT,
     RECENT_S,
@@ -400,3 +402,13 @@ def test_a_record_that_cannot_say_is_never_replaced_by_the_page() -> None:
     assert (engine.running, engine.up, engine.state) == (None, False, RunningState.TORN)
     scaling = [v for v in snap.declarations if v.placed.scales]
     assert all(v.estimate_rows == 0 for v in scaling)  # the projection's upper bound, as for an unreadable page
+
+
+def test_the_report_shows_what_each_worker_runs(tmp_path: Path) -> None:
+    entry, path = worker(tmp_path)
+    record_file(path, entry.manifest.process, (7, False), (3, True))  # type: ignore[union-attr]
+    text, status = run_report(str(tmp_path), None, False)
+    assert status == 0 and "running: 3 now, most 7 over the last 15 s (stepping)" in text, text
+    document, _ = run_report(str(tmp_path), None, True)
+    [reported] = json.loads(document)["manifests"]
+    assert reported["running"] == {"state": "stepping", "now": 3, "most": 7, "window_s": 15.0}
