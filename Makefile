@@ -13,10 +13,11 @@ DEMO_ARGS  ?=
 UNIT_VENV  := .venv-unit
 UNIT_STAMP := $(UNIT_VENV)/.installed
 UNIT_TESTS := tests/unit tests/golden
-# The plugin's cache tracker, a C extension the editable installs build in place (shared by every 3.11 venv here):
-# rebuilt when its source changes, and required to import, since pip treats its build as optional (an image
-# without a compiler still installs the plugin, which then reports its observation "not-built").
-TRACKER_SOURCE := kv_exporter/plugin/observe/_tracker.c
+# The plugin's C extensions (the cache tracker, the step record's writer), built in place by the editable installs
+# (shared by every 3.11 venv here): rebuilt when a source changes, and required to import, since pip treats their
+# build as optional (an image without a compiler still installs the plugin, which then reports its observation
+# "not-built" and keeps no step record).
+TRACKER_SOURCE := kv_exporter/plugin/observe/_tracker.c kv_exporter/plugin/_steps.c
 TRACKER_STAMP  := $(VENV)/.tracker-built
 
 .PHONY: demo test lint unit engine-env vllm34-env omni-env omni32-env fuzz-env system-deps bench fuzz gpu-proof clean
@@ -29,8 +30,8 @@ $(STAMP): pyproject.toml requirements-dev.txt requirements-unit.txt
 
 $(TRACKER_STAMP): $(STAMP) $(TRACKER_SOURCE) setup.py
 	$(PY) -m pip install -q --no-deps -e .
-	$(PY) -c 'import kv_exporter.plugin.observe._tracker' || \
-		{ echo "the cache tracker did not build: a C compiler and Python's headers are needed" >&2; exit 1; }
+	$(PY) -c 'import kv_exporter.plugin.observe._tracker, kv_exporter.plugin._steps' || \
+		{ echo "the plugin's C extensions did not build: a C compiler and Python's headers are needed" >&2; exit 1; }
 	touch $(TRACKER_STAMP)
 
 $(DEMO_STAMP): pyproject.toml

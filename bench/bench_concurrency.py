@@ -90,7 +90,7 @@ def main() -> int:
     report = Report(f"Target 5: concurrency ({args.clients} scrapers for {args.seconds:g} s)", METHOD)
     report.start()
     with tempfile.TemporaryDirectory() as tmp, children() as kids:
-        running = start_deployment(kids, SCRAPE_LAYOUT, Path(tmp))
+        running = start_deployment(kids, SCRAPE_LAYOUT, Path(tmp), pages=True)  # collections counted at the engines
         single, many = both_phases(running, args.clients, args.seconds)
         if args.compare_with:
             source = source_at(args.compare_with, Path(tmp))

@@ -48,6 +48,7 @@ ORDERS = (("on", "off"), ("off", "on"))  # the servers' start order in each phas
 SAME_SERVER_STATES = {"on": "running", "off": "paused"}
 CONTROL_STATES = {"on": "running", "off": "running"}
 SLOWDOWN_BUDGET = 0.01  # at most 1% slower with observation on
+RECORD_BUDGET_NS = 300  # issue 40: the step record, a few hundred nanoseconds a step at most
 # A pair counts when other processes' load differed by at most this between its two blocks (this machine is shared).
 FOREIGN_DIFFERENCE_CORES = 0.1
 WORKER = "kvx_testplugin.worker.KvxRequestsCPUWorker"
@@ -354,15 +355,22 @@ def measure(
 
 PER_STEP_METHOD = f"""
 --per-step: one such server, observation running (every --interval seconds); its test worker (KvxRequestsCPUWorker,
-StepArms) runs the engine's steps in adjacent pairs, one step with the observation's step-path hooks on and one off,
-in random order (off: the tracker's hooks report nowhere and every wrapped cache method is its original, as a
-paused observation leaves them; the sampler thread runs throughout), and times the model runner's execute_model.
+StepArms) runs the engine's steps in adjacent pairs, one step with the hook's step-path work on and one off, in
+random order (off: the tracker's hooks report nowhere, every wrapped cache method is its original, as a paused
+observation leaves them, and the runner's step record wrapper is taken off the instance; the sampler thread runs
+throughout), and times the worker's call of its runner (`self.model_runner.execute_model`).
 A pair counts where both steps are decode steps of all {MAX_NUM_SEQS} sequences (one token each). The claim is the
 median of the pairs' ratios, off / on (the decode rate on against off), with the 95% interval of that median
-(order statistics), beside the ratio of the arms' medians. The time is in-step only (the engine's scheduling and
-output handling, ~30% more a step, are left out), so the ratio overstates the share of a whole step. A cache
-made in an "off" step is never tracked, and one made in an "on" step and released in an "off" one charges its
+(order statistics), beside the ratio of the arms' medians. The time is the runner's call only (the engine's
+scheduling and output handling, ~30% more a step, are left out), so the ratio overstates the share of a whole step.
+A cache made in an "off" step is never tracked, and one made in an "on" step and released in an "off" one charges its
 release to "off": the long-lived per-request caches (a few percent of what the hooks see a step here).
+The step record alone: before every step, outside its timing, one call through the step record's writer around a
+plain function with that step's scheduler output and one call of the plain function, in random order, each timed
+(perf_counter_ns); the first of the two meets the step's cold caches, so the record's cost a step is its call's
+median less the plain call's in the same position, averaged over both positions. The plain function reads what the
+writer reads (`len(scheduler_output.num_scheduled_tokens)`, as every runner does in its step). --control: the plain
+function twice, so the figure shows what the timing resolves.
 """
 
 
@@ -389,7 +397,9 @@ def per_step(report: Report, waves: int, tokens: int, interval: str, control: bo
             server.stop()
     assert state is ObservationState.OK, state
     pairs: dict[int, dict[bool, float]] = collections.defaultdict(dict)
-    for pair, on, sequences, decode, ns in times:
+    probes: list[tuple[int, int, bool]] = []
+    for pair, on, sequences, decode, ns, probe_wrapped, probe_plain, wrapped_first in times:
+        probes.append((probe_wrapped, probe_plain, wrapped_first))
         if sequences == MAX_NUM_SEQS and decode:
             pairs[pair][on] = ns / 1e6
     whole = [arms for arms in pairs.values() if len(arms) == 2]
@@ -408,7 +418,32 @@ def per_step(report: Report, waves: int, tokens: int, interval: str, control: bo
         f"{statistics.median([a[False] for a in whole]) / statistics.median([a[True] for a in whole]):.4f}",
     )
     report.note("decode rate on / off: median of pairs (95% interval)", f"{ratio:.4f} ({low:.4f}-{high:.4f})")
+    record_ns = record_cost(report, probes, control)
+    if not control:
+        report.check(
+            f"the step record costs at most {RECORD_BUDGET_NS} ns a step (median, in the worker)",
+            f"{record_ns:.0f} ns",
+            record_ns <= RECORD_BUDGET_NS,
+        )
     return ratio
+
+
+def record_cost(report: Report, probes: list[tuple[int, int, bool]], control: bool) -> float:
+    """The step record's cost a step: its call's median less the plain call's, each where it came first (cold) and
+    where it came second, averaged over the two positions (control: two plain calls, so ~0)."""
+
+    def median_ns(wrapped: bool, first: bool) -> float:
+        return statistics.median(p[0] if wrapped else p[1] for p in probes if p[2] == (wrapped == first))
+
+    cold = median_ns(True, True) - median_ns(False, True)
+    warm = median_ns(True, False) - median_ns(False, False)
+    what = "the probe's second plain call (control)" if control else "the step record's writer"
+    report.note(f"{what}: median ns over {len(probes)} steps, called first / second", f"{cold:.0f} / {warm:.0f}")
+    report.note(
+        "the plain call alone: median ns called first / second",
+        f"{median_ns(False, True):.0f} / {median_ns(False, False):.0f}",
+    )
+    return (cold + warm) / 2
 
 
 def median_interval(values: list[float]) -> tuple[float, float]:

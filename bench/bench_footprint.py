@@ -36,30 +36,32 @@ from tests.support.node_exporter import node_exporter_argv
 MIB = 1 << 20
 RSS_LIMIT = 40 * MIB
 STARTUP_LIMIT_S = 1.0
-STARTUP_NODE_RATIO = 4.0  # issue 22: start-up within 4x node_exporter's, same run
+# Issue 40: start-up within 1.5x of what a Python user would pick instead (prometheus_client's start_http_server with
+# plain gauges, the baseline), same run. node_exporter's, a Go binary's, stays a reported figure: issue 22 asked for
+# 4x it, which the interpreter's own start alone exceeds (docs/benchmarks.md section 12).
+STARTUP_BASELINE_RATIO = 1.5
 # Allocator noise: RSS moves in pages and arena chunks. Growth above this over the last half is a leak.
 GROWTH_TOLERANCE = 256 << 10
 STEP = 256 << 10  # one jump between two samples at least this big: an allocator step, not a creep
 HEAVY = ("/torch/", "libtorch", "/vllm/", "/vllm_omni/", "/transformers/")
 
 METHOD = f"""
-Memory: the sidecar of target 1 (8 GPUs x 3 stages x 6 declarations, 3 engine pages) scraped back to back
+Memory: the sidecar of target 1 (8 GPUs x 3 stages x 6 declarations, 24 workers' step records) scraped back to back
 by one client; VmRSS from /proc every 100 scrapes. Growth = RSS after the last scrape minus RSS at the
 halfway mark (tolerance {GROWTH_TOLERANCE >> 10} KiB for allocator granularity). Baseline: the prometheus_client
 start_http_server process serving the same series, after 1,000 scrapes.
-Start-up: the installed `kv-exporter serve` entry point (one simulated GPU) over the same manifests and engines,
+Start-up: the installed `kv-exporter serve` entry point (one simulated GPU) over the same manifests and records,
 timed from Popen to the first HTTP 200 on /metrics (polled every 2 ms); baseline: the start_http_server process
 the same way, and Debian's prometheus-node-exporter with its default collectors, starts interleaved.
 Torch: every file mapped into the sidecar process after the run, checked for torch/vLLM libraries.
 """
 
 
-def serve_argv(folder: Path, engine_ports: tuple[int, ...], port: int) -> list[str]:
-    """The real console script, as a user runs it."""
+def serve_argv(folder: Path, port: int) -> list[str]:
+    """The real console script, as a user runs it (the running counts from the workers' step records)."""
     script = Path(PYTHON).parent / "kv-exporter"
     argv = [str(script)] if script.exists() else [PYTHON, "-m", "kv_exporter"]
     argv += ["serve", "--manifest-dir", str(folder), *SIMULATE_GPU]
-    argv += [a for p in engine_ports for a in ("--engine-url", f"http://127.0.0.1:{p}/metrics")]
     return [*argv, "--listen-address", f"127.0.0.1:{port}", "--log-level", "warning"]
 
 
@@ -123,7 +125,7 @@ def main() -> int:
         base_start: list[float] = []
         node_start: list[float] = []
         for _ in range(args.starts):  # interleaved, so that load on the machine falls on all three alike
-            ours_start += time_to_first_scrape(kids, lambda p: serve_argv(folder, running.engine_ports, p), 1)
+            ours_start += time_to_first_scrape(kids, lambda p: serve_argv(folder, p), 1)
             base_start += time_to_first_scrape(kids, lambda p: baseline_argv(spec_file, p), 1)
             node_start += time_to_first_scrape(kids, lambda p: node_exporter_argv(p, flags=()), 1)
     final, half = points[-1][1], min(points, key=lambda p: abs(p[0] - args.scrapes // 2))[1]
@@ -143,11 +145,11 @@ def main() -> int:
     report.stats("start to first scrape: baseline", base_s)
     node_s = summarize([s * 1000 for s in node_start])
     report.stats("start to first scrape: node_exporter", node_s)
-    report.ratio("start-up (ours/baseline, medians)", ours_s.median, base_s.median)
-    node_ratio = ours_s.median / node_s.median
+    report.ratio("start-up (ours/node_exporter, medians)", ours_s.median, node_s.median)
+    base_ratio = ours_s.median / base_s.median
     report.check(
-        f"start-up within {STARTUP_NODE_RATIO:g}x node_exporter's (medians)", f"{node_ratio:.2f} x",
-        node_ratio <= STARTUP_NODE_RATIO,
+        f"start-up within {STARTUP_BASELINE_RATIO:g}x start_http_server's (medians)", f"{base_ratio:.2f} x",
+        base_ratio <= STARTUP_BASELINE_RATIO,
     )  # fmt: skip
     report.figures["rss_points"] = points
     report.check(

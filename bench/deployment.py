@@ -1,5 +1,7 @@
-"""The deployment the benchmarks scrape: manifests written by the real writer, engine pages built from the
-recorded real vLLM 0.32 page, and the `Layout` that ties them together.
+"""The deployment the benchmarks scrape: manifests written by the real writer, each worker's step record written by
+the hook's own writer as its steps run (bench/engines.py), engine pages built from the recorded real vLLM 0.32 page
+(read only where a benchmark asks: the running count comes from the records), and the `Layout` that ties them
+together.
 
 A layout is `gpus` GPUs x `stages` stages, one worker per (stage, GPU) (tensor parallel across the GPUs), each
 worker declaring `per_worker` caches; each stage is one engine serving one metrics page. The running count on a
@@ -70,6 +72,10 @@ class Layout:
     @property
     def gpus_used(self) -> int:
         return len({self.place(worker)[2] for worker in range(self.workers)})
+
+    @property
+    def stages_used(self) -> int:
+        return len({self.place(worker)[0] for worker in range(self.workers)})
 
 
 # Target 1: 8 GPUs x 3 stages x 6 declarations (144), one worker per (stage, GPU), three engine pages.
@@ -175,6 +181,7 @@ class Running:
     engine_ports: tuple[int, ...]
     sidecar: Sidecar
     folder: Path
+    pages: bool = False  # the sidecar reads the engines' pages too (each stage's engine on its page)
 
     @property
     def port(self) -> int:
@@ -182,24 +189,34 @@ class Running:
 
 
 def start_engines(
-    kids: Children, stages: int, refresh: Path | None = None
+    kids: Children, stages: int, refresh: Path | None = None, steps: Sequence[Path] = ()
 ) -> tuple[subprocess.Popen[bytes], tuple[int, ...]]:
-    """`refresh`: a manifest folder whose observations the engines' process keeps fresh (`refresh_observations`)."""
-    more = ("--refresh-observations", str(refresh)) if refresh else ()
+    """`refresh`: a manifest folder whose observations the engines' process keeps fresh (`refresh_observations`);
+    `steps`: manifest folders whose workers it steps, each keeping its step record."""
+    more = [*(("--refresh-observations", str(refresh)) if refresh else ())]
+    more += [arg for folder in steps for arg in ("--step-records", str(folder))]
     proc = kids.start(module_argv("engines", "--stages", str(stages), *more), stdout=subprocess.PIPE)
     ready = read_json_line(proc)
     return proc, tuple(ready["ports"])
 
 
 def start_deployment(
-    kids: Children, layout: Layout, folder: Path, extra: Sequence[str] = (), refresh: Path | None = None
+    kids: Children,
+    layout: Layout,
+    folder: Path,
+    extra: Sequence[str] = (),
+    refresh: Path | None = None,
+    pages: bool = False,
 ) -> Running:
-    """Engines, manifests, and the sidecar serving them (`extra`: more `serve` options); checked to export what
-    the layout declares. `refresh`: as for `start_engines`."""
-    engines, engine_ports = start_engines(kids, layout.stages, refresh)
-    write_deployment(folder / "manifests", layout, engines.pid)
-    sidecar = start_sidecar(kids, layout, folder, engines.pid, engine_ports, extra)
-    running = Running(engines, engine_ports, sidecar, folder)
+    """Engines, manifests, the workers' step records, and the sidecar serving them (`extra`: more `serve` options;
+    `pages`: it reads the engines' pages too, `--engine-url`); checked to export what the layout declares. `refresh`:
+    as for `start_engines`; its folder's workers are stepped too."""
+    manifests = folder / "manifests"
+    engines, engine_ports = start_engines(kids, layout.stages, refresh, [manifests, *([refresh] if refresh else [])])
+    write_deployment(manifests, layout, engines.pid)
+    wait_for_records(manifests, layout.workers)
+    sidecar = start_sidecar(kids, layout, folder, engines.pid, engine_ports if pages else (), extra)
+    running = Running(engines, engine_ports, sidecar, folder, pages)
     verify(running, layout)
     return running
 
@@ -226,6 +243,15 @@ def start_sidecar(
     kids.track(sidecar.process)
     wait_until_serving("127.0.0.1", sidecar.port, timeout_s=300)
     return sidecar
+
+
+def wait_for_records(folder: Path, workers: int, timeout_s: float = 60.0) -> None:
+    """Until every worker in `folder` keeps its step record (the engines' process attaches to new manifests)."""
+    deadline = time.monotonic() + timeout_s
+    while len(list(folder.glob("*.steps"))) < workers:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"step records missing in {folder}")
+        time.sleep(0.05)
 
 
 def source_at(ref: str, folder: Path) -> Path:
@@ -257,7 +283,8 @@ def verify(running: Running, layout: Layout) -> None:
     text = text_page(running.port)
     expected = {
         "model_local_kv_bytes_per_row{": {layout.declarations},
-        "model_local_kv_engine_up{": {layout.stages},
+        # An engine is seen where a worker keeps its record, or, where pages are read, on its stage's page.
+        "model_local_kv_engine_up{": {layout.stages if running.pages else layout.stages_used},
         # Every GPU an engine uses (a baseline from before issue 38 exports every GPU of the node).
         "model_local_kv_gpu_headroom_bytes{": {layout.gpus_used, layout.gpus},
         "model_local_kv_gpu_process_memory_bytes{": {layout.gpus_used},
@@ -271,3 +298,10 @@ def verify(running: Running, layout: Layout) -> None:
     ]
     if down:
         raise RuntimeError(f"engines not read: {down}")
+    absent = [
+        line
+        for line in text.splitlines()
+        if line.startswith("model_local_kv_running_state{") and line.endswith('state="absent"} 1.0')
+    ]
+    if absent:
+        raise RuntimeError(f"workers without a step record: {absent}")

@@ -1,10 +1,13 @@
 """Helper process: stand-in engines, one simulated engine (kv_exporter.sidecar.simulated_engine) per stage on
 127.0.0.1, each serving the recorded real vLLM page (~600 lines) with that stage's running count, which moves on
-every request (so nothing can be cached).
+every request (so nothing can be cached); and the stand-in workers' steps: for every manifest in a `--step-records`
+folder, the hook's own step record (`kv_exporter.plugin.steps`, its C writer), written every STEP_S with that
+stage's batch, which moves on every step (all ranks of a stage run the same batch).
 
-`python -m bench.engines --stages 3 [--refresh-observations FOLDER]` prints one JSON line `{"pid": ..., "ports":
-[...]}` once serving, then runs until SIGTERM. Its pid is the one the benchmark manifests name, so they pass the
-sidecar's liveness check; with FOLDER it also rewrites the observations there every interval, as workers do.
+`python -m bench.engines --stages 3 [--refresh-observations FOLDER] [--step-records FOLDER ...]` prints one JSON
+line `{"pid": ..., "ports": [...]}` once serving, then runs until SIGTERM. Its pid is the one the benchmark manifests
+name, so they pass the sidecar's liveness check; with FOLDER it also rewrites the observations there every interval,
+as workers do.
 
 The pages are prebuilt and the stand-in reads no more of a request than its first line, so an engine answers in
 well under a millisecond: what the benchmarks time is the sidecar, not the stand-in. (A real vLLM server renders
@@ -21,6 +24,8 @@ import time
 from pathlib import Path
 
 from bench.deployment import MAX_NUM_SEQS, refresh_observations, stage_page
+from kv_exporter.manifest import ProcessInfo, is_manifest_name, read_manifest
+from kv_exporter.plugin import steps
 from kv_exporter.plugin.settings import DEFAULT_OBSERVE_INTERVAL_S
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
 from tests.support.engine_process import serve_until_terminated
@@ -60,13 +65,57 @@ def keep_fresh(folder: Path) -> None:
     threading.Thread(target=run, name="observations", daemon=True).start()
 
 
+STEP_S = 0.01  # a decode step of a busy GPU engine: tens of milliseconds; here faster, so every scrape sees a new one
+LOOK_S = 0.5  # how often the folders are looked at for new manifests
+
+
+class Output:
+    """A scheduler output: what the hook's writer reads of one (`num_scheduled_tokens`)."""
+
+    def __init__(self, sequences: int) -> None:
+        self.num_scheduled_tokens = dict.fromkeys(range(sequences), 1)
+
+
+class Worker:
+    """A stand-in model runner whose steps the hook's writer records, as it records a real runner's."""
+
+    def execute_model(self, scheduler_output: Output) -> None:
+        return None
+
+
+def step_workers(folders: list[Path]) -> None:
+    """Attach a stand-in worker to each manifest that appears in `folders`, and step them all every STEP_S."""
+    outputs = [Output(n) for n in range(MAX_NUM_SEQS + 1)]
+    process = ProcessInfo.current()
+    workers: dict[Path, tuple[Worker, int]] = {}  # manifest -> its worker and stage
+    looked, step = 0.0, 0
+    while True:
+        if time.monotonic() - looked > LOOK_S:
+            looked = time.monotonic()
+            for folder in folders:
+                for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+                    if path not in workers and is_manifest_name(path.name):
+                        worker = Worker()
+                        steps.attach(worker, path, process)
+                        workers[path] = (worker, read_manifest(path).engine.stage)
+        step += 1
+        for worker, stage in workers.values():
+            worker.execute_model(outputs[(step * 7 + stage * 11) % len(outputs)])
+        time.sleep(STEP_S)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--stages", type=int, default=3)
     parser.add_argument("--refresh-observations", type=Path, metavar="FOLDER", help="keep these samples fresh")
+    parser.add_argument(
+        "--step-records", type=Path, action="append", default=[], metavar="FOLDER", help="step the workers here"
+    )
     args = parser.parse_args()
     if args.refresh_observations:
         keep_fresh(args.refresh_observations)
+    if args.step_records:
+        threading.Thread(target=step_workers, args=(args.step_records,), name="steps", daemon=True).start()
     serve_until_terminated([stage_engine(stage) for stage in range(args.stages)])
     return 0
 

@@ -1,10 +1,10 @@
 """Where one scrape's time goes: the benchmark deployment, the exporter in this process, pyinstrument over N
-scrapes, plus a per-phase breakdown (manifests, liveness, engine pages, GPUs, snapshot, families, encoding, gzip).
+scrapes, plus a per-phase breakdown (manifests, liveness, step records, GPUs, snapshot, families, encoding, gzip).
 
     .venv/bin/python -m bench.profile_scrape [--declarations N] [--scrapes N] [--html FILE]
 
-The engines run in their own process as in the benchmarks; only the exporter is in-process, so the profile
-shows its own work (the page fetches appear as the time spent waiting for them).
+The stand-in workers run in their own process as in the benchmarks (stepping, each writing its step record); only
+the exporter is in-process, so the profile shows its own work.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import Any
 from prometheus_client.exposition import choose_encoder
 
 from bench.benchlib import PROMETHEUS_HEADERS, children, format_stats, summarize
-from bench.deployment import SCRAPE_LAYOUT, Layout, scaling_layout, start_engines, write_deployment
+from bench.deployment import SCRAPE_LAYOUT, Layout, scaling_layout, start_engines, wait_for_records, write_deployment
 from bench.sidecar import SimulatedGpus
 from kv_exporter.sidecar.app import GZIP_LEVEL, ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
-from kv_exporter.sidecar.engine_page import EngineTarget
 from kv_exporter.sidecar.exposition import Fixed
 from kv_exporter.sidecar.families import families
 from kv_exporter.sidecar.inputs import assess, read_gpus
+from kv_exporter.sidecar.running import engines_running
 from kv_exporter.sidecar.snapshot import build_snapshot
 from tests.support.constants import GPU_TOTAL, GPU_USED
 
@@ -37,18 +37,18 @@ def phases(collection: Collection, app: ExporterApp) -> dict[str, Callable[[], A
     """The steps of one scrape, each callable on its own (each re-does its inputs' work only where cheap)."""
     loaded = collection.store.load()
     entries = assess(loaded, collection.our_namespace)
-    pages = collection.pages.read_all()
+    workers = engines_running(entries, collection.records.read(entries))
     gpu = read_gpus(collection.gpu_reader, entries)
-    snapshot = build_snapshot(entries, pages, gpu)
+    snapshot = build_snapshot(entries, [], gpu, workers=workers)
     encoder, content_type = choose_encoder(PROMETHEUS_HEADERS["Accept"])
     metrics = families(snapshot)
     body = app.exposition.render(metrics, content_type) or b""
     return {
         "manifests (list + stat)": collection.store.load,
         "liveness (/proc)": lambda: assess(loaded, collection.our_namespace),
-        "engine pages (fetch + scan)": collection.pages.read_all,
+        "step records": lambda: engines_running(entries, collection.records.read(entries)),
         "gpus": lambda: read_gpus(collection.gpu_reader, entries),
-        "snapshot": lambda: build_snapshot(entries, pages, gpu),
+        "snapshot": lambda: build_snapshot(entries, [], gpu, workers=workers),
         "families": lambda: families(snapshot),
         "render (kv-exporter)": lambda: app.exposition.render(metrics, content_type),
         "render (prometheus_client)": lambda: encoder(Fixed(metrics)),
@@ -65,21 +65,20 @@ def main() -> int:
     args = parser.parse_args()
     layout: Layout = scaling_layout(args.declarations) if args.declarations else SCRAPE_LAYOUT
     with tempfile.TemporaryDirectory() as tmp, children() as kids:
-        engines, ports = start_engines(kids, layout.stages)
         folder = Path(tmp) / "manifests"
+        engines, _ = start_engines(kids, layout.stages, steps=[folder])
         write_deployment(folder, layout, engines.pid)
-        targets = tuple(EngineTarget.parse(f"http://127.0.0.1:{port}/metrics") for port in ports)
+        wait_for_records(folder, layout.workers)
         reader = SimulatedGpus(GPU_TOTAL, GPU_USED, layout.gpus, engines.pid)
         # The series caps raised as in bench.bench_scaling, so that every declaration is on the page.
         settings = CollectionSettings(
             manifest_dir=str(folder),
-            targets=targets,
             max_series=20 * layout.declarations + 1000,
             max_label_bytes=max(8 << 20, 2000 * layout.declarations),
         )
         collection = Collection(settings, reader)
         app = ExporterApp(collection)
-        print(f"{layout.declarations} declarations, {layout.workers} manifests, {len(ports)} engine pages")
+        print(f"{layout.declarations} declarations, {layout.workers} manifests and step records")
         for name, step in phases(collection, app).items():
             samples = []
             for _ in range(max(5, args.scrapes // 4)):

@@ -352,10 +352,17 @@ def kv_row() -> list[Panel]:
     )
     estimate = by_owner(
         "Estimate by owner / cache (rows at the running count)",
-        "Declared bytes at the live running count (capped at max_num_seqs), stacked per owner and cache.",
+        "Declared bytes at the sequences the engine runs now (its workers' latest step, capped at max_num_seqs), "
+        "stacked per owner and cache.",
         "model_local_kv_estimated_bytes",
     )
-    return [ceiling.height(9).span(12), estimate.height(9).span(12)]
+    peak = by_owner(
+        "Estimated peak by owner / cache (rows at the window's most)",
+        "Declared bytes at the most sequences any step ran over the exporter's --running-window (the scrape "
+        "interval): the peak between two scrapes, which a count at the scrape instant misses.",
+        "model_local_kv_estimated_peak_bytes",
+    )
+    return [ceiling.height(9).span(8), estimate.height(9).span(8), peak.height(9).span(8)]
 
 
 OBSERVED_KEY = "cluster, instance, namespace, pod, model_name, stage, engine, owner"
@@ -415,24 +422,38 @@ def on_gpus(metric: str) -> str:
 def engine_row() -> list[Panel]:
     running = graph(
         "Running sequences vs max_num_seqs",
-        "The engine's running count as read from its metrics page, against its configured max_num_seqs.",
+        "What the engine's workers run (their latest step, from their step records; an older hook's engines: "
+        "the engine's page at the scrape), the most any step ran over the exporter's --running-window, and the "
+        "configured max_num_seqs.",
         "none",
         [
             query(on_gpus("model_local_kv_running_sequences"), f"running · {ENGINE_LEGEND}", "A"),
+            query(on_gpus("model_local_kv_running_sequences_max"), f"most · {ENGINE_LEGEND}", "C"),
             query(on_gpus("model_local_kv_max_num_seqs"), f"max_num_seqs · {ENGINE_LEGEND}", "B"),
         ],
     ).override_by_regexp("^max_num_seqs.*", DASHED)
     engines = merged_table(
         "Engines: running count readable, manifests",
-        "Per engine, those with a problem first: 1 when a metrics page reports its running count; the valid "
-        "manifests matched to it (0 for an engine on a page that no manifest declares).",
+        "Per engine, those with a problem first: 1 when its running count is known (its workers' step records, else "
+        "a metrics page); the valid manifests matched to it (0 for an engine on a page that no manifest declares).",
         [
             (on_gpus("model_local_kv_engine_up"), "A", "readable", "none"),
             (on_gpus(ENGINES), "B", "manifests", "none"),
         ],
         sort_by="readable",
     )
-    return [running.height(8).span(12), engines.height(8).span(12)]
+    steps = merged_table(
+        "Step records per engine",
+        "Where the workers' step records stand: stepping, idle, stalled (a step running for a minute), unreadable, "
+        "torn (a writer died mid-write), invalid, absent (an older hook: the page's count).",
+        [(f"{on_gpus('model_local_kv_running_state')} == 1", "A", "is", "none")],
+        sort_by="state",
+    )
+    return [
+        running.height(8).span(12),
+        engines.height(8).span(12),
+        steps.height(8).span(24),
+    ]
 
 
 def joined(metric: str) -> str:
@@ -447,6 +468,7 @@ def declaration_table() -> list[Panel]:
         ("model_local_kv_capacity_positions", "B", "positions"),
         ("model_local_kv_ceiling_bytes", "C", "ceiling"),
         ("model_local_kv_estimated_bytes", "D", "estimate"),
+        ("model_local_kv_estimated_peak_bytes", "E", "estimated peak"),
     ]
     panel = (
         table.Panel()

@@ -3,7 +3,8 @@
 # end-to-end chain), kubectl (kustomize rendering), yamllint, Chromium + chromedriver (browser tests),
 # docker-compose (compose file validation; no Docker engine is needed for `docker-compose config`), the
 # shell script linter for the deploy scripts, and node_exporter (the reference an HTTP test compares the sidecar's
-# answers with, request by request: Go's net/http behind the exporter-toolkit; started on 127.0.0.1 by the test).
+# answers with, request by request: Go's net/http behind the exporter-toolkit; started on 127.0.0.1 by the test), and
+# strace (counts the system calls of the hook's per-step record: there must be none).
 # Run as root on Debian. Idempotent: silent and offline when everything is present; `apt-get update` runs at
 # most once, and only when something is missing.
 set -euo pipefail
@@ -19,6 +20,7 @@ declare -A WANT=(
     [docker-compose]=docker-compose
     [shellcheck]=shellcheck
     [prometheus-node-exporter]=prometheus-node-exporter
+    [strace]=strace
 )
 
 missing=()

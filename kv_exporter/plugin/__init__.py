@@ -9,7 +9,8 @@ It also patches transformers' cache base class when a process imports it, to obs
 
 Environment: KV_EXPORTER_DISABLE=1 turns the hook off; KV_EXPORTER_DIR names the manifest folder (default
 /run/kv-exporter, see `settings`); KV_EXPORTER_COLLECTOR=auto|vllm_omni|kv_exporter picks the collector;
-KV_EXPORTER_OBSERVE_INTERVAL is the seconds between two observations (default 10, 0: off).
+KV_EXPORTER_OBSERVE_INTERVAL is the seconds between two observations (default 10, 0: off); KV_EXPORTER_STEP_RECORD=0
+writes no step record (`steps`: each step's sequences beside the manifest, what the sidecar reads as running).
 """
 
 from __future__ import annotations

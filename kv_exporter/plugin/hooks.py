@@ -1,8 +1,9 @@
 """Where the hook attaches, and how it finds the outermost call.
 
-Two methods are wrapped, nothing else: a model runner's `load_model` (publish phase "load") and a worker's
-`compile_or_warm_up_model` (publish phase "warmup", when declarations that read live state are complete). The
-per-step methods (`execute_model`, `sample_tokens`, ...) are never touched, so serving pays nothing.
+Two methods are wrapped on the classes, nothing else: a model runner's `load_model` (publish phase "load") and a
+worker's `compile_or_warm_up_model` (publish phase "warmup", when declarations that read live state are complete).
+The per-step methods are never wrapped here: the step record (`steps`) wraps one runner instance's `execute_model`
+at publish, in C, so serving pays ~0.1 us a step.
 
 Subclasses override `load_model` and call `super().load_model()` (vllm-omni's runners do, then keep setting
 up), so every class in the instance's MRO that defines the method is wrapped and a per-instance depth counter

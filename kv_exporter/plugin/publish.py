@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import json
 import multiprocessing.util
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from kv_exporter.manifest import (
     write_manifest,
 )
 from kv_exporter.observation import Observation
-from kv_exporter.plugin import baseline, identity, kv_budget, observe
+from kv_exporter.plugin import baseline, identity, kv_budget, observe, steps
 from kv_exporter.plugin.collect import collect, to_declarations
 from kv_exporter.plugin.forksafe import ForkSafeLock
 from kv_exporter.plugin.oncelog import logger, warn_once
@@ -52,7 +54,10 @@ def publish(
                 _published.manifests[path] = manifest
         log_summary(manifest, path)
         if path is not None:
-            _cleanup.track(path, manifest.process)
+            record = steps.attach(runner, path, manifest.process) if settings.step_record else None
+            if record is not None:  # removed before the manifest: a record never outlives its manifest
+                _cleanup.track(record, manifest.process, steps.writer_of)
+            _cleanup.track(path, manifest.process, manifest_writer)
             observe.start(_published.observed)
         return path
     except Exception as exc:
@@ -175,15 +180,27 @@ class _Published:
 _published = _Published()
 
 
+Writer = Callable[[Path], "tuple[int, int | None] | None"]  # the pid and start time of a file's writer
+
+
+def manifest_writer(path: Path) -> tuple[int, int | None] | None:
+    try:
+        written = json.loads(path.read_bytes())["process"]
+        return written["pid"], written["start_time_ticks"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 class _Cleanup:
-    """Removes this process's manifests at a clean exit, unless another process has since replaced them."""
+    """Removes this process's manifests and step records at a clean exit, unless another process has since replaced
+    them."""
 
     def __init__(self) -> None:
-        self.owned: dict[Path, ProcessInfo] = {}
+        self.owned: dict[Path, tuple[ProcessInfo, Writer]] = {}
         self.registered = False
 
-    def track(self, path: Path, process: ProcessInfo) -> None:
-        self.owned[path] = process
+    def track(self, path: Path, process: ProcessInfo, writer: Writer) -> None:
+        self.owned[path] = (process, writer)
         if not self.registered:
             atexit.register(self.run)
             # vLLM's workers are multiprocessing children: they end in os._exit, which skips atexit but first
@@ -192,16 +209,13 @@ class _Cleanup:
             self.registered = True
 
     def run(self) -> None:
-        for path, process in list(self.owned.items()):
+        for path, (process, writer) in list(self.owned.items()):
             # A forked child inherits this handler; only the writer removes its file.
             if process.pid != os.getpid():
                 continue
-            try:
-                written = json.loads(path.read_bytes())["process"]
-                if (written["pid"], written["start_time_ticks"]) == (process.pid, process.start_time_ticks):
+            if writer(path) == (process.pid, process.start_time_ticks):
+                with contextlib.suppress(OSError):
                     path.unlink()
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
             self.owned.pop(path, None)
 
 

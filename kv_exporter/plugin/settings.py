@@ -17,6 +17,7 @@ ENV_DIR = "KV_EXPORTER_DIR"
 ENV_COLLECTOR = "KV_EXPORTER_COLLECTOR"
 ENV_OBSERVE_INTERVAL = "KV_EXPORTER_OBSERVE_INTERVAL"
 ENV_OBSERVE_PEAK = "KV_EXPORTER_OBSERVE_PEAK"
+ENV_STEP_RECORD = "KV_EXPORTER_STEP_RECORD"
 
 # Seconds between two observations of the live caches; 0 turns observation off (nothing is patched).
 DEFAULT_OBSERVE_INTERVAL_S = 10.0
@@ -42,6 +43,9 @@ class HookSettings:
     # Follow each owner's high-water mark between samples (~0.5% of a decode step, docs/benchmarks.md section 9);
     # off, only caches' creation is hooked on the step path and the peak is the figure at the sample.
     observe_peak: bool = True
+    # Each step's sequences in a mapped record beside the manifest (kv_exporter/steprecord.py): the running count the
+    # sidecar exports. Off, the sidecar reads it from the engine's page (--engine-url), sampled at the scrape.
+    step_record: bool = True
 
     @property
     def observing(self) -> bool:
@@ -63,6 +67,7 @@ class HookSettings:
             collector=collector if collector in COLLECTOR_CHOICES else COLLECTOR_AUTO,
             observe_interval_s=observe_interval(env.get(ENV_OBSERVE_INTERVAL)),
             observe_peak=env.get(ENV_OBSERVE_PEAK, "").strip().lower() not in _FALSE,
+            step_record=env.get(ENV_STEP_RECORD, "").strip().lower() not in _FALSE,
         )
 
 

@@ -30,19 +30,21 @@ from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.limits import absent_reason
 from kv_exporter.sidecar.observed import ObservedState, cuda_unavailable_reason
 from kv_exporter.sidecar.records import ManifestEntry, engine_key
+from kv_exporter.sidecar.running import RunningState
 
-# The per-declaration families (bytes per row, ceiling, estimate, positions, info), the per-owner ones (observed
-# bytes, peak bytes where followed, cache objects, unexplained bytes; and one per reason its unreadable caches have),
-# and the per-engine ones: running, max_num_seqs, up, manifests, one observation state per state, its age, and the
-# allocator's figures (at most nine: allocated, reserved, peak, two high-water bounds, retries, OOMs, warm-up
-# allocated, unexplained growth) or the reason there are none; the allocator's cap and the worker's headroom under it
-# (or the reason there is no cap), and the engine's own budget (at most four: KV bytes and blocks, utilization,
-# extensible mode).
-SERIES_PER_DECLARATION = 5
+# The per-declaration families (bytes per row, ceiling, estimate, estimated peak, positions, info), the per-owner
+# ones (observed bytes, peak bytes where followed, cache objects, unexplained bytes; and one per reason its unreadable
+# caches have), and the per-engine ones: running, its most, its page difference, max_num_seqs, up, manifests, one
+# running state and one observation state per state, the observation's age, and the allocator's figures (at most
+# nine: allocated, reserved, peak, two high-water bounds, retries, OOMs, warm-up allocated, unexplained growth) or the
+# reason there are none; the allocator's cap and the worker's headroom under it (or the reason there is no cap), and
+# the engine's own budget (at most four: KV bytes and blocks, utilization, extensible mode).
+SERIES_PER_DECLARATION = 6
 SERIES_PER_OWNER = 4
-_ENGINE_SERIES = 4 + 1  # the four engine gauges and the observation age: labelled by engine and pod
+_ENGINE_SERIES = 6 + 1  # the six engine gauges and the observation age: labelled by engine and pod
 _CUDA_SERIES, _CUDA_DETAIL_SERIES, _CUDA_WARM_SERIES = 2, 5, 2  # by engine, GPU and pod
-SERIES_PER_ENGINE = _ENGINE_SERIES + len(ObservedState) + _CUDA_SERIES + _CUDA_DETAIL_SERIES + _CUDA_WARM_SERIES
+_STATE_SERIES = len(ObservedState) + len(RunningState)
+SERIES_PER_ENGINE = _ENGINE_SERIES + _STATE_SERIES + _CUDA_SERIES + _CUDA_DETAIL_SERIES + _CUDA_WARM_SERIES
 # An engine only a page shows has no manifest: running, up and manifests (= 0), no max_num_seqs nor observation.
 SERIES_PER_PAGE_ENGINE = 3
 # 10,000 declarations' worth: far above a real node (a few engines per GPU, a handful of caches each), and still a
@@ -53,7 +55,7 @@ DEFAULT_MAX_LABEL_BYTES = 8 << 20
 # The most a series line takes besides its label values: the longest name, every label name, the syntax, a value.
 # So these series take at most max_label_bytes + SERIES_LINE_BYTES * max_series of the page (~21 MB by default).
 SERIES_LINE_BYTES = 256
-_STATE_BYTES = sum(len(state.value) for state in ObservedState)
+_STATE_BYTES = sum(len(state.value) for state in (*ObservedState, *RunningState))
 
 
 @dataclass(frozen=True)
@@ -128,13 +130,13 @@ def _cost(manifest: Manifest) -> Cost:
     per_unreadable = sum(where + label_size(u.owner) + len(u.reason.value) for u in unreadable)
     cuda = _cuda_cost(manifest, engine, where)
     limit = _limit_cost(manifest, where)
-    per_engine = (_ENGINE_SERIES + len(ObservedState)) * engine + _STATE_BYTES + cuda.label_bytes + limit.label_bytes
+    per_engine = (_ENGINE_SERIES + _STATE_SERIES) * engine + _STATE_BYTES + cuda.label_bytes + limit.label_bytes
     series = (
         SERIES_PER_DECLARATION * len(manifest.declarations)
         + owner_series * len(owners)
         + len(unreadable)
         + _ENGINE_SERIES
-        + len(ObservedState)
+        + _STATE_SERIES
         + cuda.series
         + limit.series
     )

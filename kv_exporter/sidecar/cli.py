@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from kv_exporter.manifest import DEFAULT_LIMITS, DEFAULT_MANIFEST_DIR
 from kv_exporter.sidecar.app import DEFAULT_TELEMETRY_PATH, ExporterApp
+from kv_exporter.sidecar.arguments import (
+    engine_url,
+    listen_address,
+    non_negative_int,
+    parse_simulated_gpu,
+    parse_size,
+    positive_int,
+    positive_size,
+    running_window,
+)
 from kv_exporter.sidecar.buildinfo import build_info
 from kv_exporter.sidecar.collection import DEFAULT_COLLECTION_TIMEOUT_S
-from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S, EngineTarget
-from kv_exporter.sidecar.http import DEFAULT_LISTEN_ADDRESS, DEMO_LISTEN_ADDRESS, ExporterServer, parse_listen_address
+from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S
+from kv_exporter.sidecar.http import DEFAULT_LISTEN_ADDRESS, DEMO_LISTEN_ADDRESS, ExporterServer
 from kv_exporter.sidecar.logs import FORMATS, LEVELS, setup_logging
+from kv_exporter.sidecar.running import DEFAULT_WINDOW_S
 from kv_exporter.sidecar.stopping import StopRequest
 from kv_exporter.transport.connection import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_REQUESTS, Limits
 
@@ -25,64 +35,6 @@ SHUTDOWN_MARGIN_S = 5.0  # beyond the engine timeout, for reading manifests and 
 # Beyond that grace, what closing the collection and the process takes; past it the stop watchdog ends the process.
 STOP_MARGIN_S = 5.0
 DEMO_STOP_BOUND_S = 10.0  # the demo's threads stop within ~1 s; its engines' join waits 5 s at most
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
-_FACTORS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """`80GiB`, `512 MiB`, `1073741824` -> bytes (IEC units only: GPU memory is counted in them)."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 80GiB, 512MiB, 1073741824)")
-    return int(float(match.group(1)) * _FACTORS[match.group(2)])
-
-
-def _positive_size(text: str) -> int:
-    size = parse_size(text)
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
-    return size
-
-
-def parse_simulated_gpu(text: str) -> tuple[int, int]:
-    """`TOTAL:USED`, e.g. `80GiB:60GiB`."""
-    total, sep, used = text.partition(":")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"--simulate-gpu wants TOTAL:USED, e.g. 80GiB:60GiB; got {text!r}")
-    sizes = parse_size(total), parse_size(used)
-    if sizes[0] <= 0 or not 0 <= sizes[1] <= sizes[0]:
-        raise argparse.ArgumentTypeError(f"--simulate-gpu needs 0 <= USED <= TOTAL, TOTAL > 0; got {text!r}")
-    return sizes
-
-
-def _listen_address(text: str) -> str:
-    try:
-        parse_listen_address(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _engine_url(text: str) -> EngineTarget:
-    try:
-        return EngineTarget.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 class _Version(argparse.Action):
@@ -126,7 +78,7 @@ def _common(parser: argparse.ArgumentParser, default_listen: str, repeatable: bo
         parser.add_argument(
             "--web.listen-address",
             dest="listen_addresses",
-            type=_listen_address,
+            type=listen_address,
             action="append",
             metavar="ADDRESS",
             help=f"[host]:port to serve on, repeatable: each one is served (default {default_listen})",
@@ -136,13 +88,13 @@ def _common(parser: argparse.ArgumentParser, default_listen: str, repeatable: bo
         parser.add_argument(
             "--web.listen-address",
             dest="listen_address",
-            type=_listen_address,
+            type=listen_address,
             default=default_listen,
             metavar="ADDRESS",
             help=f"[host]:port to serve on (default {default_listen})",
         )
     parser.add_argument(
-        "--listen-address", dest="listen_addresses" if repeatable else "listen_address", type=_listen_address,
+        "--listen-address", dest="listen_addresses" if repeatable else "listen_address", type=listen_address,
         action=_Deprecated, replacement="--web.listen-address", append=repeatable,
     )  # fmt: skip
     parser.add_argument(
@@ -185,19 +137,19 @@ def _limits(serve: argparse.ArgumentParser) -> None:
 
     serve.add_argument(
         "--manifest-max-bytes",
-        type=_positive_size,
+        type=positive_size,
         default=DEFAULT_LIMITS.max_bytes,
         help="larger manifest files are rejected unread (reason too_large; default %(default)s bytes)",
     )
     serve.add_argument(
         "--manifest-max-declarations",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_LIMITS.max_declarations,
         help="manifests with more declarations are rejected (reason too_many_declarations; default %(default)s)",
     )
     serve.add_argument(
         "--max-series",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_SERIES,
         help=f"cap on the series live manifests add ({SERIES_PER_DECLARATION} a declaration, {SERIES_PER_OWNER} an "
         f"owner, {SERIES_PER_ENGINE} an engine) and engines only a page shows ({SERIES_PER_PAGE_ENGINE} each); the "
@@ -205,7 +157,7 @@ def _limits(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--max-label-bytes",
-        type=_positive_size,
+        type=positive_size,
         default=DEFAULT_MAX_LABEL_BYTES,
         help="cap on the bytes of label values those series carry, counted with --max-series (default %(default)s)",
     )
@@ -219,12 +171,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the Prometheus exporter")
     serve.add_argument("--manifest-dir", default=DEFAULT_MANIFEST_DIR, help="default %(default)s")
     serve.add_argument(
+        "--running-window",
+        type=running_window,
+        default=DEFAULT_WINDOW_S,
+        metavar="SECONDS",
+        help="the most any step ran over this many seconds (the scrape interval; default %(default)g)",
+    )
+    serve.add_argument(
         "--engine-url",
         action="append",
-        type=_engine_url,
+        type=engine_url,
         default=[],
         metavar="URL",
-        help="an engine's metrics URL (repeatable); http://host:port means http://host:port/metrics",
+        help="an engine's metrics URL, repeatable, optional: the count of workers without a step record, else a "
+        "cross-check; http://host:port means http://host:port/metrics",
     )
     serve.add_argument(
         "--engine-timeout",
@@ -276,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--web.max-requests",
         dest="max_requests",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=DEFAULT_MAX_REQUESTS,
         metavar="N",
         help="scrapes answered at once; past it, 503 (0: no limit; default %(default)s)",
@@ -284,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--web.max-connections",
         dest="max_connections",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_CONNECTIONS,
         metavar="N",
         help="connections held at once; past it, the one waiting longest for a request is dropped (default "
@@ -297,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         "folder", nargs="?", metavar="DIR", help=f"the manifest folder (default {DEFAULT_MANIFEST_DIR})"
     )
     report.add_argument("--manifest-dir", help="the same, as an option")
-    report.add_argument("--max-num-seqs", type=_positive_int, help="rows for max_num_seqs-driven caches")
+    report.add_argument("--max-num-seqs", type=positive_int, help="rows for max_num_seqs-driven caches")
     report.add_argument("--json", action="store_true", help="JSON instead of a table")
 
     demo = commands.add_parser("demo", help="simulated engines, reference manifests and a simulated GPU")
@@ -335,6 +295,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_series=args.max_series,
         deadline_s=args.collection_timeout,
         max_label_bytes=args.max_label_bytes,
+        running_window_s=args.running_window,
     )
     collection = Collection(settings, reader)
     try:

@@ -3,10 +3,11 @@
 Data flows one way. Each scrape:
   1. `ManifestStore.load` lists the manifest folder; a file is re-parsed only when its stat changes.
   2. `liveness.classify` marks each valid manifest live or stale.
-  3. `EnginePages` fetches every configured engine page concurrently, its requests sent before step 1 (one fetch
-     per engine, on a connection kept open between scrapes).
-  4. The GPU reader (NVML or simulated) gives per-GPU memory, and per-process memory where pids compare.
-  5. `snapshot.build_snapshot` (pure) combines them; `families.families` turns a snapshot into metric families.
+  3. `EnginePages` fetches every configured engine page concurrently (none by default), its requests sent before
+     step 1 (one fetch per engine, on a connection kept open between scrapes).
+  4. `StepRecords` reads each live worker's step record: what it runs now and the most over the window.
+  5. The GPU reader (NVML or simulated) gives per-GPU memory, and per-process memory where pids compare.
+  6. `snapshot.build_snapshot` (pure) combines them; `families.families` turns a snapshot into metric families.
 Concurrent scrapes share one collection (`SingleFlight`). Nothing runs between scrapes.
 """
 
@@ -41,6 +42,7 @@ from kv_exporter.sidecar.inputs import (
     running_limits,
 )
 from kv_exporter.sidecar.records import GpuResult
+from kv_exporter.sidecar.running import DEFAULT_WINDOW_S, StepRecords, engines_running
 from kv_exporter.sidecar.snapshot import Snapshot, build_snapshot
 
 log = logging.getLogger(__name__)
@@ -129,6 +131,7 @@ class CollectionSettings:
     max_label_bytes: int = DEFAULT_MAX_LABEL_BYTES
     proc: str = "/proc"
     deadline_s: float = DEFAULT_COLLECTION_TIMEOUT_S
+    running_window_s: float = DEFAULT_WINDOW_S
 
 
 class Collection:
@@ -140,6 +143,7 @@ class Collection:
         self.our_namespace = current_pid_namespace() if our_namespace is None else our_namespace
         self.store = ManifestStore(settings.manifest_dir, settings.manifest_limits)
         self.pages = EnginePages(settings.targets, settings.fetch_timeout_s, settings.max_page_bytes)
+        self.records = StepRecords(settings.running_window_s)
         self.observations = ObservationAccount()
         self.processes = ProcessWatch(settings.proc)
         self.declared = DeclaredCache()
@@ -156,6 +160,8 @@ class Collection:
         reads = self.pages.begin()
         entries = assess(self.store.load(), self.our_namespace, self.settings.proc, self.processes)
         pages = self.pages.finish(reads, running_limits(entries))
+        # After the pages, which may keep the collection waiting: the count is the one nearest the answer.
+        workers = engines_running(entries, self.records.read(entries))
         gpu = read_gpus(self.gpu_reader, entries)
         self._account_gpu(gpu)
         now = time.time()
@@ -175,6 +181,7 @@ class Collection:
             duration_s=time.perf_counter() - started,
             taken_at=now,
             cache=self.declared,
+            workers=workers,
         )
         self._account_series(snapshot)
         return_free_memory()  # what a large input (now gone) left in the heaps: see allocator.py
@@ -214,6 +221,7 @@ class Collection:
     def close(self) -> None:
         self.pages.close()
         self.processes.close()
+        self.records.close()
 
 
 class KVCollector(Collector):

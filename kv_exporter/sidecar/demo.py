@@ -1,7 +1,10 @@
 """`kv-exporter demo`: the whole exporter against made-up inputs, in one process.
 
 - an in-process simulated engine (kv_exporter.sidecar.simulated_engine) serving one vLLM-format metrics page per
-  reference model, whose running count moves with time (a slow wave, so nothing needs a background loop);
+  reference model, whose running count moves with time (a slow wave), shown late as vLLM's own page shows it;
+- a step record per worker (kv_exporter.steprecord), written by a thread "stepping" every STEP_S with the running
+  count of that instant, as the hook's writer does at every step; the last model's worker keeps none (an older
+  hook), so its running count comes from its page;
 - manifests for the four reference models (kv_exporter.reference), written by the real writer into a temporary
   folder, plus one deliberately broken file to show how a bad manifest is reported;
 - an observer that rewrites each manifest every few seconds with what its caches "hold", as the hook's sampler
@@ -15,6 +18,7 @@
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import shutil
 import tempfile
@@ -32,6 +36,7 @@ from kv_exporter.manifest import (
     Manifest,
     Phase,
     ProcessInfo,
+    manifest_filename,
     write_manifest,
 )
 from kv_exporter.observation import CudaMemory, Observation, ObservationState, OwnerObservation
@@ -42,6 +47,7 @@ from kv_exporter.sidecar.engine_page import EngineTarget
 from kv_exporter.sidecar.http import DEMO_LISTEN_ADDRESS, ExporterServer, build_server, serve_in_thread, server_url
 from kv_exporter.sidecar.report import DEMO_BROKEN_MANIFEST
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine, vllm_page
+from kv_exporter.steprecord import RecordWriter, new_record, record_name
 
 GIB = 1 << 30
 DEMO_GPU_TOTAL = 80 * GIB
@@ -52,6 +58,9 @@ DEMO_MAX_NUM_SEQS = (256, 64, 16, 8)
 WAVE_PERIOD_S = 60.0
 DEMO_OBSERVE_INTERVAL_S = 5.0
 PEAK_STEP_S = 0.1  # the demo's "steps": how finely its peak between samples is looked for
+STEP_S = 0.1  # how often the demo's workers write a step into their records
+PAGE_LAG_S = 2.0  # how late the pages show the running count (vLLM's own page lags the worker)
+RECORDED = 3  # the first three models' workers keep a step record; the last one's hook is older
 # Where the demo's caches hold other than their declarations say (everything else holds exactly the declared rows).
 STORED_POSITIONS = {QWEN3_TTS.model_name: 72}  # a sliding layer's storage keeps the whole window
 UNDECLARED = {MING_FLASH_OMNI.model_name: ("talker.vocoder", 8 << 20)}  # owner, bytes: one cache, never declared
@@ -122,7 +131,7 @@ def start_simulated_engines(engines: list[DemoEngine], clock: Callable[[], float
     """One simulated engine serving each demo engine's page at /SLUG/metrics, its running count read per request."""
 
     def page(engine: DemoEngine) -> Callable[[], bytes]:
-        return lambda: vllm_page(engine.model.model_name, engine.running(clock()))
+        return lambda: vllm_page(engine.model.model_name, engine.running(clock() - PAGE_LAG_S))
 
     return SimulatedEngine({f"/{e.slug}/metrics": page(e) for e in engines})
 
@@ -214,6 +223,49 @@ class Observer:
             self.thread.join()  # before the folder goes: a last write would make it again
 
 
+class Stepper:
+    """Each recorded engine's worker "steps" every STEP_S with the running count of that instant (none while it is
+    0): its step record is written as the hook's writer writes it."""
+
+    def __init__(self, folder: str, workers: list[tuple[DemoEngine, Manifest]], clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.stopped = threading.Event()
+        self.writers: list[tuple[DemoEngine, RecordWriter, memoryview, mmap.mmap]] = []
+        for engine, manifest in workers:
+            path = os.path.join(folder, record_name(manifest_filename(manifest.engine)))
+            with open(path, "wb") as out:
+                out.write(new_record(manifest.process.pid, manifest.process.start_time_ticks))
+            with open(path, "r+b") as mapped:
+                mapping = mmap.mmap(mapped.fileno(), 0)
+            view = memoryview(mapping)
+            self.writers.append((engine, RecordWriter(view), view, mapping))
+        self.thread = threading.Thread(target=self._loop, name="demo-steps", daemon=True)
+
+    def step(self) -> None:
+        now = self.clock()
+        for engine, writer, _, _ in self.writers:
+            running = engine.running(now)
+            if running:  # an idle engine runs no step
+                writer.begin(running)
+                writer.end()
+
+    def _loop(self) -> None:
+        while not self.stopped.wait(STEP_S):
+            self.step()
+
+    def start(self) -> None:
+        self.step()
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.thread.is_alive():
+            self.thread.join()
+        for _, _, view, mapping in self.writers:
+            view.release()
+            mapping.close()
+
+
 @dataclass
 class Demo:
     folder: str
@@ -222,6 +274,7 @@ class Demo:
     collection: Collection
     engine_urls: list[str]
     observer: Observer
+    stepper: Stepper
 
     @property
     def url(self) -> str:
@@ -229,6 +282,7 @@ class Demo:
 
     def close(self) -> None:
         self.observer.stop()
+        self.stepper.stop()
         self.exporter.shutdown()
         self.exporter.server_close()
         self.engines.stop()
@@ -246,6 +300,8 @@ def start_demo(
     folder = tempfile.mkdtemp(prefix="kv-exporter-demo-")
     observer = Observer(folder, [(engine, demo_manifest(engine, gpu.gpu)) for engine in engines], clock)
     observer.start()
+    stepper = Stepper(folder, observer.manifests[:RECORDED], clock)
+    stepper.start()
     with open(os.path.join(folder, DEMO_BROKEN_MANIFEST), "w") as broken:
         broken.write('{"schema_version": 1, "truncated": ')  # what a crashed non-atomic writer leaves
     simulated = start_simulated_engines(engines, clock)
@@ -256,12 +312,13 @@ def start_demo(
         exporter = build_server(listen_address, ExporterApp(collection, telemetry_path))
     except BaseException:
         observer.stop()
+        stepper.stop()
         simulated.stop()
         collection.close()
         shutil.rmtree(folder, ignore_errors=True)
         raise
     serve_in_thread(exporter)
-    return Demo(folder, simulated, exporter, collection, urls, observer)
+    return Demo(folder, simulated, exporter, collection, urls, observer, stepper)
 
 
 def describe(demo: Demo) -> str:
@@ -270,7 +327,8 @@ def describe(demo: Demo) -> str:
         f"  landing page:  {demo.url}/",
         f"  metrics:       {demo.url}{demo.exporter.app.telemetry_path}",
         f"  health:        {demo.url}/healthz",
-        f"  manifests:     {demo.folder}  (4 reference models + {DEMO_BROKEN_MANIFEST}, deliberately invalid)",
+        f"  manifests:     {demo.folder}  (4 reference models + {DEMO_BROKEN_MANIFEST}, deliberately invalid; "
+        f"step records for {RECORDED} of them)",
         f"  report:        kv-exporter report {demo.folder}  (exits 1 for the invalid example, as expected)",
         *(f"  engine page:   {u}" for u in demo.engine_urls),
         "Press Ctrl-C to stop.",

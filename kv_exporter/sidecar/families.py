@@ -13,10 +13,8 @@ from kv_exporter.sidecar.labels import (
     DECLARATION_LABELS,
     ENGINE_GPU_LABELS,
     ENGINE_LABELS,
-    GPU_LABELS,
     INFO_EXTRA_LABELS,
     OWNER_LABELS,
-    gpu_labels,
 )
 from kv_exporter.sidecar.labels import (
     engine_labels as _engine,
@@ -24,20 +22,13 @@ from kv_exporter.sidecar.labels import (
 from kv_exporter.sidecar.labels import (
     pod_labels as _pod,
 )
-from kv_exporter.sidecar.memory_families import limit_families
+from kv_exporter.sidecar.memory_families import gpu_families, limit_families
 from kv_exporter.sidecar.observed import Observed, ObservedState
 from kv_exporter.sidecar.records import FolderState, PageResult
-from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, Snapshot
+from kv_exporter.sidecar.running_families import running_families
+from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, Snapshot
 
 # -- metric families -----------------------------------------------------------------------------------------
-
-SAFE_MAX_NUM_SEQS_HELP = (
-    "Largest max_num_seqs M (the same for every engine on this GPU) with NVML used + sum over its "
-    "live max_num_seqs-driven declarations of bytes_per_row * max(0, M - rows held) <= total, rows held being "
-    "the estimated rows and those an owner already holds beyond them, and for each worker whose allocator is capped, "
-    "reserved + its own such growth <= its cap. Assumes NVML used already holds the held and fixed rows and nothing "
-    "else on the GPU grows."
-)
 
 
 def _declaration_labels(placed: PlacedDeclaration) -> tuple[str, ...]:
@@ -85,15 +76,26 @@ class _Declared:
         """`views`: the declarations of this `Declared`, in its order, at this scrape's running counts."""
         estimate = GaugeRows(
             "model_local_kv_estimated_bytes",
-            "Bytes at the live running count capped at max_num_seqs (rows_fixed for driver=fixed; 0 rows for "
-            "driver=max_num_seqs while the engine cannot be read).",
+            "Bytes at the sequences the engine runs now (its workers' latest step, else its page), capped at "
+            "max_num_seqs (rows_fixed for driver=fixed; 0 rows for driver=max_num_seqs while that is unknown).",
+            DECLARATION_LABELS,
+        )
+        peak = GaugeRows(
+            "model_local_kv_estimated_peak_bytes",
+            "Bytes at the most sequences any step of the engine's workers ran over the last --running-window "
+            "seconds, capped at max_num_seqs (rows_fixed for driver=fixed); absent where no worker keeps a step "
+            "record.",
             DECLARATION_LABELS,
         )
         held = [v.estimate_bytes for v in views]
+        most = [v.peak_bytes for v in views]
         for labels, at in self.groups:
             estimate.add_metric(labels, held[at[0]] if len(at) == 1 else sum(held[i] for i in at))
+            peaks = [most[i] for i in at]
+            if None not in peaks:
+                peak.add_metric(labels, sum(peaks))  # type: ignore[arg-type]  # no None left
         per_row, ceiling, positions, info = self.unmoving
-        return [per_row, ceiling, estimate, positions, info]
+        return [per_row, ceiling, estimate, peak, positions, info]
 
 
 class DeclarationFamilies:
@@ -113,9 +115,11 @@ class DeclarationFamilies:
 def engine_families(engines: Sequence[EngineView], pages: Sequence[PageResult]) -> list[Metric]:
     running = GaugeRows(
         "model_local_kv_running_sequences",
-        "Running sequences read from the engine's metrics page (per stage capped by the pipeline gauge).",
+        "Sequences the engine runs now: its workers' latest step (a step that ended over a second ago: 0), or, for "
+        "workers that keep no step record, its metrics page's running count at the scrape.",
         ENGINE_LABELS,
     )
+
     max_seqs = GaugeRows("model_local_kv_max_num_seqs", "max_num_seqs from its manifests.", ENGINE_LABELS)
     up = GaugeRows("model_local_kv_engine_up", "1 if its running count was read this scrape.", ENGINE_LABELS)
     manifests = GaugeRows(
@@ -123,8 +127,8 @@ def engine_families(engines: Sequence[EngineView], pages: Sequence[PageResult]) 
         "Live valid manifests matched to this engine (0: the engine runs but declares nothing here).",
         ENGINE_LABELS,
     )
-    for view in engines:
-        labels = (*_engine(view.key), *_pod(view.pod))
+    labelled = [((*_engine(view.key), *_pod(view.pod)), view) for view in engines]
+    for labels, view in labelled:
         if view.running is not None:
             running.add_metric(labels, view.running)
         if view.max_num_seqs is not None:
@@ -134,72 +138,8 @@ def engine_families(engines: Sequence[EngineView], pages: Sequence[PageResult]) 
     page_up = GaugeRows("model_local_kv_engine_page_up", "1 if the page was fetched and read.", ("target",))
     for page in pages:
         page_up.add_metric((page.target,), int(page.page is not None))
-    return [running, max_seqs, up, manifests, page_up]
-
-
-def gpu_families(gpus: Sequence[GpuView]) -> list[Metric]:
-    total = GaugeRows("model_local_kv_gpu_memory_total_bytes", "GPU memory total (NVML).", GPU_LABELS)
-    used = GaugeRows(
-        "model_local_kv_gpu_memory_used_bytes",
-        "GPU memory used (NVML): without the reserved memory where NVML reports that apart, as DCGM's FB_USED.",
-        GPU_LABELS,
-    )
-    reserved = GaugeRows(
-        "model_local_kv_gpu_memory_reserved_bytes",
-        "GPU memory the driver and firmware reserve (NVML's version 2 memory call, as DCGM's FB_RESERVED); absent "
-        "where NVML reports it only inside used.",
-        GPU_LABELS,
-    )
-    free = GaugeRows("model_local_kv_gpu_memory_free_bytes", "GPU memory free (NVML).", GPU_LABELS)
-    process = GaugeRows(
-        "model_local_kv_gpu_process_memory_bytes",
-        "GPU memory NVML reports for a manifest's process (only where the pids are comparable).",
-        (*GPU_LABELS, "pid"),
-    )
-    peak = GaugeRows(
-        "model_local_kv_gpu_projected_peak_bytes",
-        "NVML's occupied memory (total - free: used and reserved) + sum over this GPU's live declarations of "
-        "(ceiling - estimate) - the declared memory already resident + the unexplained growth.",
-        GPU_LABELS,
-    )
-    growth = GaugeRows(
-        "model_local_kv_gpu_unexplained_growth_bytes",
-        "The part of the projected peak that observation adds: bytes no declaration explains, per running "
-        "sequence, times the sequences still to come (0 while every owner holds at most what it declares).",
-        GPU_LABELS,
-    )
-    resident = GaugeRows(
-        "model_local_kv_gpu_resident_bytes",
-        "Declared memory the GPU's owners already hold beyond their running estimates (observed at the sample, "
-        "at most each owner's ceiling - estimate): in NVML's used already, so the projected peak does not add it "
-        "again.",
-        GPU_LABELS,
-    )
-    headroom = GaugeRows(
-        "model_local_kv_gpu_headroom_bytes",
-        "What the projected peak leaves before the limit it meets first: the device's total, or a worker's allocator "
-        "cap (model_local_kv_worker_headroom_bytes); negative: it would not fit.",
-        GPU_LABELS,
-    )
-    safe = GaugeRows("model_local_kv_gpu_safe_max_num_seqs", SAFE_MAX_NUM_SEQS_HELP, GPU_LABELS)
-    for view in gpus:
-        if not view.projected:  # another pod's processes share it: the node-wide exporter's (memory_families)
-            continue
-        labels = gpu_labels(view)
-        total.add_metric(labels, view.memory.total)
-        used.add_metric(labels, view.memory.used)
-        free.add_metric(labels, view.memory.free)
-        if view.memory.reserved is not None:
-            reserved.add_metric(labels, view.memory.reserved)
-        for pid, value in view.processes.items():
-            process.add_metric((*labels, str(pid)), value)
-        peak.add_metric(labels, view.projected_peak)
-        growth.add_metric(labels, view.unexplained_growth)
-        resident.add_metric(labels, view.resident)
-        headroom.add_metric(labels, view.headroom)
-        if view.safe_max_num_seqs is not None:
-            safe.add_metric(labels, view.safe_max_num_seqs)
-    return [total, used, reserved, free, process, peak, growth, resident, headroom, safe]
+    most, state, difference = running_families(labelled, ENGINE_LABELS)
+    return [running, most, max_seqs, up, manifests, state, difference, page_up]
 
 
 def observed_families(observed: Observed) -> list[Metric]:

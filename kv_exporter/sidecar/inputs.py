@@ -212,6 +212,8 @@ class EnginePages:
         return self.finish(self.begin())
 
     def begin(self) -> list[asyncio.Task[PageResult]]:
+        if not self.targets:  # no engine to read: no turn of the loop either
+            return []
         self._scan_deadline = time.monotonic() + self.timeout_s
         self._waiting_since = time.perf_counter()  # for a read that ends here (none has data yet, one may fail)
         reads = [self._loop.create_task(self._read(target)) for target in self.targets]
@@ -223,6 +225,8 @@ class EnginePages:
     ) -> list[PageResult]:
         """The pages; an engine's running count above its limit (`limits`: the live manifests' max_num_seqs) is
         impossible: left out of its page (the engine reads as unreadable) and counted."""
+        if not reads:
+            return []
         results = self._loop.run_until_complete(self._answers(reads))
         results = [_refuse_impossible(result, limits or {}) for result in results]
         for result in results:

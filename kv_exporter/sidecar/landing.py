@@ -17,6 +17,7 @@ from kv_exporter.printable import printable
 from kv_exporter.sidecar.limits import BINDING_DEVICE
 from kv_exporter.sidecar.observed import EngineObservation, ObservedState, OwnerView
 from kv_exporter.sidecar.records import ManifestEntry
+from kv_exporter.sidecar.running import RunningState
 from kv_exporter.sidecar.snapshot import DeclarationView, EngineView, GpuView, Snapshot
 from kv_exporter.sidecar.thresholds import (
     HEADROOM_MARGIN_FRACTION,
@@ -204,14 +205,24 @@ def _engine_row(view: EngineView, observation: EngineObservation | None) -> str:
     running = "?" if view.running is None else view.running
     limit = "?" if view.max_num_seqs is None else view.max_num_seqs
     up = '<td class="ok">up</td>' if view.up else '<td class="bad">unreadable</td>'
+    most = "" if view.most is None else f"most {view.most} over the window"
+    difference = "" if view.page_difference is None else f"page {view.page_difference:+d}"
     return (
         _with_sub(view.key.model_name, f"stage {view.key.stage} · engine {view.key.engine}", "engine")
         + up
-        + _num(f"{running} / {limit}")
+        + f'<td class="num">{_e(f"{running} / {limit}")}<span class="sub">{_e(most)}</span></td>'
         + _num(view.manifests)
+        + _steps_cell(view)
         + _observation_cell(observation)
-        + _cell(view.target or "")
+        + _with_sub(view.target or "", difference)
     )
+
+
+def _steps_cell(view: EngineView) -> str:
+    if not view.manifests:
+        return _cell("-")
+    css = {RunningState.STEPPING: "ok", RunningState.IDLE: "ok", RunningState.ABSENT: ""}.get(view.state, "bad")
+    return _cell(view.state.value, css)
 
 
 def _observation_cell(observation: EngineObservation | None) -> str:
@@ -225,7 +236,7 @@ def _observation_cell(observation: EngineObservation | None) -> str:
 def _engine_section(snapshot: Snapshot) -> str:
     engines, pages = snapshot.engines, snapshot.pages
     observed = {o.key: o for o in snapshot.observed.engines}
-    headers = ("model", "page", "running / max_num_seqs", "manifests", "observation", "read from")
+    headers = ("model", "count", "running / max_num_seqs", "manifests", "step record", "observation", "read from")
     rows = (_engine_row(v, observed.get(v.key)) for v in engines)
     table = _table("engines", headers, rows) if engines else "<p>No engines.</p>"
     page_rows = (
@@ -235,8 +246,13 @@ def _engine_section(snapshot: Snapshot) -> str:
         for p in pages
     )
     page_table = _table("pages", ("engine page", "state", "waited for"), page_rows) if pages else ""
-    none = "" if pages else "<p>No <code>--engine-url</code> configured: running counts are unknown.</p>"
-    return f"<h2>Engines</h2>{table}{page_table}{none}"
+    note = (
+        '<p class="note">running: what the engine\'s workers run now, from their step records (read from '
+        '"workers"); most: the most any step ran over <code>--running-window</code>; an engine whose workers keep '
+        "no step record (step record absent: an older hook) is read from its engine page, where one is configured "
+        "(<code>--engine-url</code>), which also shows how far the page is from the workers (page +n).</p>"
+    )
+    return f"<h2>Engines</h2>{table}{page_table}{note}"
 
 
 def _with_sub(main: object, sub: object, css: str = "") -> str:
@@ -258,14 +274,18 @@ def _declaration_row(view: DeclarationView) -> str:
         + _bytes(d.bytes_per_row)
         + _bytes_rows(view.ceiling_bytes, placed.ceiling_rows)
         + _bytes_rows(view.estimate_bytes, view.estimate_rows)
+        + (_bytes(view.peak_bytes) if view.peak_bytes is not None else _cell("-"))
     )
 
 
 def _declaration_section(views: Sequence[DeclarationView]) -> str:
-    headers = ("model", "cache / owner", "rows from / scope", "gpu", "per row", "ceiling", "estimate")
+    headers = ("model", "cache / owner", "rows from / scope", "gpu", "per row", "ceiling", "estimate", "peak")
     if not views:
         return "<h2>Declarations</h2><p>No live declarations.</p>"
-    note = '<p class="note">ceiling: rows at max_num_seqs (or the fixed rows); estimate: rows at the running count.</p>'
+    note = (
+        '<p class="note">ceiling: rows at max_num_seqs (or the fixed rows); estimate: rows at the running count; '
+        "peak: rows at the most any step ran over the window (where the workers keep a step record).</p>"
+    )
     return "<h2>Declarations</h2>" + _table("declarations", headers, (_declaration_row(v) for v in views)) + note
 
 

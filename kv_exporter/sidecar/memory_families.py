@@ -1,6 +1,6 @@
-"""Metric families of the limits a GPU's memory meets (`sidecar.limits`) and of the engine's own budget: each worker's
-allocator cap and headroom (or why it has none), the binding limit per GPU, the processes no manifest accounts for,
-and the KV budget the engine itself sized (docs/metrics.md)."""
+"""Metric families of a GPU's memory: NVML's figures and the projected peak, the limits it meets (`sidecar.limits`):
+each worker's allocator cap and headroom (or why it has none), the binding limit per GPU, the processes no manifest
+accounts for, and the KV budget the engine itself sized (docs/metrics.md)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,79 @@ from kv_exporter.sidecar.exposition import GaugeRows
 from kv_exporter.sidecar.labels import ENGINE_GPU_LABELS, GPU_LABELS, engine_labels, gpu_labels, pod_labels
 from kv_exporter.sidecar.limits import BINDINGS, EngineBudget, Limits
 from kv_exporter.sidecar.snapshot import GpuView, Snapshot
+
+SAFE_MAX_NUM_SEQS_HELP = (
+    "Largest max_num_seqs M (the same for every engine on this GPU) with NVML used + sum over its "
+    "live max_num_seqs-driven declarations of bytes_per_row * max(0, M - rows held) <= total, rows held being "
+    "the estimated rows and those an owner already holds beyond them, and for each worker whose allocator is capped, "
+    "reserved + its own such growth <= its cap. Assumes NVML used already holds the held and fixed rows and nothing "
+    "else on the GPU grows."
+)
+
+
+def gpu_families(gpus: Sequence[GpuView]) -> list[Metric]:
+    total = GaugeRows("model_local_kv_gpu_memory_total_bytes", "GPU memory total (NVML).", GPU_LABELS)
+    used = GaugeRows(
+        "model_local_kv_gpu_memory_used_bytes",
+        "GPU memory used (NVML): without the reserved memory where NVML reports that apart, as DCGM's FB_USED.",
+        GPU_LABELS,
+    )
+    reserved = GaugeRows(
+        "model_local_kv_gpu_memory_reserved_bytes",
+        "GPU memory the driver and firmware reserve (NVML's version 2 memory call, as DCGM's FB_RESERVED); absent "
+        "where NVML reports it only inside used.",
+        GPU_LABELS,
+    )
+    free = GaugeRows("model_local_kv_gpu_memory_free_bytes", "GPU memory free (NVML).", GPU_LABELS)
+    process = GaugeRows(
+        "model_local_kv_gpu_process_memory_bytes",
+        "GPU memory NVML reports for a manifest's process (only where the pids are comparable).",
+        (*GPU_LABELS, "pid"),
+    )
+    peak = GaugeRows(
+        "model_local_kv_gpu_projected_peak_bytes",
+        "NVML's occupied memory (total - free: used and reserved) + sum over this GPU's live declarations of "
+        "(ceiling - estimate) - the declared memory already resident + the unexplained growth.",
+        GPU_LABELS,
+    )
+    growth = GaugeRows(
+        "model_local_kv_gpu_unexplained_growth_bytes",
+        "The part of the projected peak that observation adds: bytes no declaration explains, per running "
+        "sequence, times the sequences still to come (0 while every owner holds at most what it declares).",
+        GPU_LABELS,
+    )
+    resident = GaugeRows(
+        "model_local_kv_gpu_resident_bytes",
+        "Declared memory the GPU's owners already hold beyond their running estimates (observed at the sample, "
+        "at most each owner's ceiling - estimate): in NVML's used already, so the projected peak does not add it "
+        "again.",
+        GPU_LABELS,
+    )
+    headroom = GaugeRows(
+        "model_local_kv_gpu_headroom_bytes",
+        "What the projected peak leaves before the limit it meets first: the device's total, or a worker's allocator "
+        "cap (model_local_kv_worker_headroom_bytes); negative: it would not fit.",
+        GPU_LABELS,
+    )
+    safe = GaugeRows("model_local_kv_gpu_safe_max_num_seqs", SAFE_MAX_NUM_SEQS_HELP, GPU_LABELS)
+    for view in gpus:
+        if not view.projected:  # another pod's processes share it: the node-wide exporter's (memory_families)
+            continue
+        labels = gpu_labels(view)
+        total.add_metric(labels, view.memory.total)
+        used.add_metric(labels, view.memory.used)
+        free.add_metric(labels, view.memory.free)
+        if view.memory.reserved is not None:
+            reserved.add_metric(labels, view.memory.reserved)
+        for pid, value in view.processes.items():
+            process.add_metric((*labels, str(pid)), value)
+        peak.add_metric(labels, view.projected_peak)
+        growth.add_metric(labels, view.unexplained_growth)
+        resident.add_metric(labels, view.resident)
+        headroom.add_metric(labels, view.headroom)
+        if view.safe_max_num_seqs is not None:
+            safe.add_metric(labels, view.safe_max_num_seqs)
+    return [total, used, reserved, free, process, peak, growth, resident, headroom, safe]
 
 
 def limit_families(snapshot: Snapshot) -> list[Metric]:

@@ -1,8 +1,10 @@
 """`kv-exporter report`: the declarations in a manifest folder, and what the caches really hold beside them, as a
 terminal table or JSON; no server.
 
-For capacity planning: each manifest's declarations at its own max_num_seqs, or at `--max-num-seqs N`; per owner,
-its declared ceiling beside the bytes its worker last observed (the sidecar's own arithmetic, `observed.observe`).
+For capacity planning: each manifest's declarations at its own max_num_seqs, or at `--max-num-seqs N`; what its
+worker runs now and the most it ran over the last `running.DEFAULT_WINDOW_S` seconds (its step record, read as the
+sidecar reads it); per owner, its declared ceiling beside the bytes its worker last observed (the sidecar's own
+arithmetic, `observed.observe`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kv_exporter.procfs import current_pid_namespace
 from kv_exporter.sidecar.inputs import ManifestStore, assess
 from kv_exporter.sidecar.observed import ObservedState, OwnerView, observe, worker_state
 from kv_exporter.sidecar.records import GpuResult, ManifestEntry
+from kv_exporter.sidecar.running import ABSENT, DEFAULT_WINDOW_S, Running, StepRecords
 from kv_exporter.sidecar.units import human_bytes
 
 
@@ -123,7 +126,20 @@ DEMO_BROKEN_NOTE = (
 )
 
 
-def render_text(entries: Sequence[ManifestEntry], max_num_seqs: int | None, folder: str, now: float) -> str:
+def _running_line(running: Running) -> str:
+    if running is ABSENT:
+        return "running: no step record (an older hook, or a worker that is not live)"
+    now = "?" if running.latest is None else str(running.latest)
+    most = "?" if running.most is None else str(running.most)
+    return f"running: {now} now, most {most} over the last {DEFAULT_WINDOW_S:g} s ({running.state.value})"
+
+
+Workers = dict[str, Running]  # each live manifest's worker, by path (StepRecords.read)
+
+
+def render_text(
+    entries: Sequence[ManifestEntry], max_num_seqs: int | None, folder: str, now: float, workers: Workers
+) -> str:
     out: list[str] = []
     grand = 0
     valid = [e for e in entries if e.manifest is not None]
@@ -133,7 +149,8 @@ def render_text(entries: Sequence[ManifestEntry], max_num_seqs: int | None, fold
         rows = manifest_rows(entry.manifest, max_num_seqs)
         grand += sum(r.total for r in rows)
         observed = _observed_lines(observed_report(entry, max_num_seqs, now), entry.live)
-        out += [_title(entry, entry.manifest, seqs), *_table(rows), *observed, ""]
+        running = _running_line(workers.get(entry.path, ABSENT))
+        out += [_title(entry, entry.manifest, seqs), *_table(rows), running, *observed, ""]
     invalid = [e for e in entries if e.manifest is None]
     for entry in invalid:
         out.append(f"invalid: {entry.error}")
@@ -145,7 +162,9 @@ def render_text(entries: Sequence[ManifestEntry], max_num_seqs: int | None, fold
     return "\n".join([*out, total_line]) + "\n"
 
 
-def render_json(entries: Sequence[ManifestEntry], max_num_seqs: int | None, folder: str, now: float) -> str:
+def render_json(
+    entries: Sequence[ManifestEntry], max_num_seqs: int | None, folder: str, now: float, workers: Workers
+) -> str:
     manifests: list[dict[str, Any]] = []
     for entry in entries:
         if entry.manifest is None:
@@ -179,6 +198,7 @@ def render_json(entries: Sequence[ManifestEntry], max_num_seqs: int | None, fold
                     for r in rows
                 ],
                 "total_bytes": sum(r.total for r in rows),
+                "running": _running_json(workers.get(entry.path, ABSENT)),
                 "observation": _observed_json(observed_report(entry, max_num_seqs, now)),
             }
         )
@@ -212,6 +232,10 @@ def _observed_json(report: ObservedReport) -> dict[str, Any]:
     }
 
 
+def _running_json(running: Running) -> dict[str, Any]:
+    return {"state": running.state.value, "now": running.latest, "most": running.most, "window_s": DEFAULT_WINDOW_S}
+
+
 def _invalid(path: str, error: ManifestError) -> dict[str, str]:
     return {"path": printable(path), "reason": error.reason, "detail": error.detail}
 
@@ -222,6 +246,9 @@ def run_report(folder: str, max_num_seqs: int | None, as_json: bool) -> tuple[st
     entries = assess(store.load(), current_pid_namespace())
     if store.folder_error is not None:
         return f"cannot read manifest folder {printable(folder)}: {store.folder_error}\n", 2
+    records = StepRecords()
+    workers = records.read(entries)
+    records.close()
     render = render_json if as_json else render_text
-    text = render(entries, max_num_seqs, folder, time.time())
+    text = render(entries, max_num_seqs, folder, time.time(), workers)
     return text, 1 if any(e.manifest is None for e in entries) else 0

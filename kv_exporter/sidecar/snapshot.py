@@ -1,9 +1,9 @@
 """The snapshot: one scrape's inputs combined into the figures every output reads (pure, no I/O).
 
-Inputs are records (`ManifestEntry`, `PageResult`, `GpuResult`) that `inputs` gathers; the snapshot holds one view
-per live declaration, engine and GPU: ceiling and estimate, running count, projected peak, headroom and safe
-max_num_seqs. `families` turns it into metric families, `landing` into the landing page. The same inputs always give
-the same snapshot.
+Inputs are records (`ManifestEntry`, `PageResult`, `GpuResult`, the workers' `Running`) that `inputs` and
+`running` gather; the snapshot holds one view per live declaration, engine and GPU: ceiling, estimate and estimated
+peak, running count and its most, projected peak, headroom and safe max_num_seqs. `families` turns it into metric
+families, `landing` into the landing page. The same inputs always give the same snapshot.
 """
 
 from __future__ import annotations
@@ -40,16 +40,19 @@ from kv_exporter.sidecar.records import (
     first_rank,
     placement,
 )
+from kv_exporter.sidecar.running import ABSENT, Running, RunningState
 
 
 @dataclass(frozen=True, slots=True)
 class DeclarationView:
-    """One live declaration with its figures at the engine's max_num_seqs and at the live running count."""
+    """One live declaration with its figures at the engine's max_num_seqs, at the live running count, and at the
+    most its workers ran over the window (None: no step record gives it)."""
 
     placed: PlacedDeclaration
     running: int | None
     estimate_rows: int
     estimate_bytes: int
+    peak_bytes: int | None = None
 
     @property
     def model_name(self) -> str:
@@ -77,7 +80,10 @@ class EngineView:
     running: int | None
     max_num_seqs: int | None
     manifests: int
-    target: str | None  # the page it was read from
+    target: str | None  # where the running count was read: WORKERS (their step records) or the page's target
+    state: RunningState = RunningState.ABSENT  # its workers' step records
+    most: int | None = None  # the most its workers ran over the window
+    page_difference: int | None = None  # the page's running count less the workers' (both known)
 
 
 @dataclass(frozen=True)
@@ -140,10 +146,11 @@ class Snapshot:
         return counts
 
 
-RunningCounts = dict[EngineKey, tuple[int, str]]  # running count and the page it came from
+RunningCounts = dict[EngineKey, tuple[int, str]]  # running count and where it was read (WORKERS, or a page)
+WORKERS = "workers"  # a running count from the engine's workers' step records
 
 
-def running_counts(pages: Sequence[PageResult]) -> RunningCounts:
+def page_counts(pages: Sequence[PageResult]) -> RunningCounts:
     """Running count per engine and the page it came from; the first configured page wins a duplicate."""
     found: dict[EngineKey, tuple[int, str]] = {}
     for result in pages:
@@ -156,18 +163,41 @@ def running_counts(pages: Sequence[PageResult]) -> RunningCounts:
     return found
 
 
-def declaration_views(declared: Declared, running: RunningCounts) -> list[DeclarationView]:
+def running_counts(pages: RunningCounts, workers: dict[EngineKey, Running]) -> RunningCounts:
+    """The running count every figure uses: the workers' where they keep a step record, else the page's. An engine
+    whose records cannot say has none (never the page's in their place: it would be mixed in silently)."""
+    found = {key: count for key, count in pages.items() if workers.get(key, ABSENT).state is RunningState.ABSENT}
+    for key, running in workers.items():
+        if running.latest is not None:
+            found[key] = (running.latest, WORKERS)
+    return found
+
+
+def declaration_views(
+    declared: Declared, running: RunningCounts, workers: dict[EngineKey, Running] | None = None
+) -> list[DeclarationView]:
     """One view per declaration, in `declared.ordered`'s order."""
     ordered = declared.ordered
+    workers = workers or {}
     views: list[DeclarationView] = [None] * len(ordered)  # type: ignore[list-item]  # each index set below
     for engine, at in declared.by_engine:
         known = running.get(engine)
         count = known[0] if known else None
+        most = workers.get(engine, ABSENT).most
+        rows_of: dict[tuple[object, ...], tuple[int, int | None]] = {}  # an engine's declarations share few rules
         for index in at:
             placed = ordered[index]
-            # Engine unreadable: MAX_NUM_SEQS rows fall back to 0, so the projected peak stays an upper bound.
-            rows = placed.rows_at(count)
-            views[index] = DeclarationView(placed, count, rows, placed.declaration.bytes_per_row * rows)
+            d = placed.declaration
+            rule = (d.rows, d.rows_fixed, placed.max_num_seqs)
+            rows_and_peak = rows_of.get(rule)
+            if rows_and_peak is None:
+                # Engine unreadable: MAX_NUM_SEQS rows fall back to 0, so the projected peak stays an upper bound.
+                rows_and_peak = rows_of[rule] = (placed.rows_at(count), None if most is None else placed.rows_at(most))
+            rows, peak_rows = rows_and_peak
+            per_row = d.bytes_per_row
+            views[index] = DeclarationView(
+                placed, count, rows, per_row * rows, None if peak_rows is None else per_row * peak_rows
+            )
     return views
 
 
@@ -178,17 +208,24 @@ def _placed(
 
 
 def engine_views(
-    entries: Sequence[ManifestEntry], running: RunningCounts, page_engines: Iterable[EngineKey] = ()
+    entries: Sequence[ManifestEntry],
+    running: RunningCounts,
+    page_engines: Iterable[EngineKey] = (),
+    workers: dict[EngineKey, Running] | None = None,
+    pages: RunningCounts | None = None,
 ) -> list[EngineView]:
     """The engines of the live manifests in `entries`, and `page_engines`: ones only a page shows."""
-    workers: dict[EngineKey, list[Manifest]] = {}
+    workers, pages = workers or {}, pages or {}
+    by_engine: dict[EngineKey, list[Manifest]] = {}
     for entry in entries:
         if entry.manifest is not None and entry.live:
-            workers.setdefault(engine_key(entry.manifest), []).append(entry.manifest)
+            by_engine.setdefault(engine_key(entry.manifest), []).append(entry.manifest)
     views = []
-    for key in sorted(set(workers) | set(page_engines)):
+    for key in sorted(set(by_engine) | set(page_engines)):
         known = running.get(key)
-        mine = workers.get(key, [])
+        mine = by_engine.get(key, [])
+        recorded = workers.get(key, ABSENT)
+        page = pages.get(key)
         views.append(
             EngineView(
                 key=key,
@@ -198,6 +235,9 @@ def engine_views(
                 max_num_seqs=max((m.max_num_seqs for m in mine), default=None),
                 manifests=len(mine),
                 target=known[1] if known else None,
+                state=recorded.state,
+                most=recorded.most,
+                page_difference=None if page is None or recorded.latest is None else page[0] - recorded.latest,
             )
         )
     return views
@@ -360,15 +400,19 @@ def build_snapshot(
     duration_s: float = 0.0,
     taken_at: float = 0.0,
     cache: DeclaredCache | None = None,
+    workers: dict[EngineKey, Running] | None = None,
 ) -> Snapshot:
     """The same inputs give the same snapshot; `cache` (the last scrapes' work) only saves rebuilding what they
-    share. `taken_at` is also the time observations are judged at."""
+    share. `taken_at` is also the time observations are judged at. `workers`: each engine's running count from its
+    workers' step records (`running.engines_running`)."""
     cache = DeclaredCache() if cache is None else cache
-    running = running_counts(pages)
+    workers = workers or {}
+    on_pages = page_counts(pages)
+    running = running_counts(on_pages, workers)
     limited = limit_series(entries, running, cap)
     kept, dropped = limited.kept, limited.dropped
     declared_now = cache.declared(_placed(kept, gpu, cache))
-    views = declaration_views(declared_now, running)
+    views = declaration_views(declared_now, running, workers)
     observed = observe(kept, running, gpu, taken_at)
     # The cap limits series, not truth: left-out manifests still count in their GPU's projected peak.
     unexported = declaration_views(cache.declared(_placed(dropped, gpu, cache), exported=False), running)
@@ -384,7 +428,7 @@ def build_snapshot(
         manifests=tuple(_mark_dropped(entries, dropped) if dropped else entries),
         declared=declared_now,
         declarations=tuple(views),
-        engines=tuple(engine_views(kept, running, limited.page_engines)),
+        engines=tuple(engine_views(kept, running, limited.page_engines, workers, on_pages)),
         pages=tuple(pages),
         gpus=tuple(gpu_views(gpu, entries, views_at, all_owners, binding)),
         gpu=gpu,

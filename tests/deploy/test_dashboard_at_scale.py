@@ -1,5 +1,6 @@
 """The dashboard on a fleet of 100 engines in two clusters: 25 real sidecars (`python -m kv_exporter serve`), one per
-"GPU node" with a simulated GPU and four engines (the four reference models), scraped by a real Prometheus as the
+"GPU node" with a simulated GPU and four engines (the four reference models), each worker keeping its step record
+(their pages read too, as a cross-check), scraped by a real Prometheus as the
 shipped PodMonitor scrapes them: its relabelings, run as Prometheus runs them, add `job` and the pod's `node`
 (`__meta_kubernetes_pod_node_name`, which Kubernetes discovery would set); `cluster` is a target label, as a global
 ruler's external label would be.
@@ -34,12 +35,13 @@ from tests.deploy.helpers import DEPLOY, Prometheus, dashboard, prometheus_confi
 from tests.support.constants import GIB, MIB
 from tests.support.manifests import live_manifest
 from tests.support.sidecar import Sidecar, sidecar
+from tests.support.steps import write_step_record
 
 pytestmark = pytest.mark.e2e
 
 NODES = 25  # x 4 engines (REFERENCE_MODELS) = 100
 STAT_LIMIT = 20
-UNREADABLE_NODE = 7  # its page leaves out its last engine: one engine without a running count
+UNREADABLE_NODE = 7  # its page and records leave out its last engine: one engine without a running count
 PODMONITOR = DEPLOY / "kubernetes/components/sidecar/podmonitor.yaml"
 
 
@@ -93,6 +95,8 @@ def start_node(stack: contextlib.ExitStack, workdir: Path, node: int, engines: S
         budget = EngineMemory(kv_cache_bytes=(4 + engine) << 30, kv_cache_blocks=2048, gpu_memory_utilization=0.9)
         observed = dataclasses.replace(manifest, observation=observation(model, node, engine), engine_memory=budget)
         write_manifest(folder, observed)
+        if not (node == UNREADABLE_NODE and model is REFERENCE_MODELS[-1]):  # that engine's count: nowhere
+            write_step_record(folder, manifest, running(node, engine))
     gpu = f"{80 * GIB}:{used_gib(node) * GIB}"
     args = ("--manifest-dir", str(folder), "--engine-url", engines.url_for(f"/n{node}/metrics"), "--simulate-gpu", gpu)
     return stack.enter_context(sidecar(workdir, *args))

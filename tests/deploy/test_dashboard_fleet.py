@@ -40,6 +40,7 @@ from tests.deploy.helpers import (
 from tests.support.manifests import live_manifest
 from tests.support.pages import vllm_page_with
 from tests.support.sidecar import Sidecar, sidecar
+from tests.support.steps import write_step_record
 
 pytestmark = pytest.mark.e2e
 
@@ -73,8 +74,8 @@ def start_host(stack: contextlib.ExitStack, workdir: Path, host: str) -> Sidecar
     folder = workdir / f"manifests-{host}"
     manifest = live_manifest(model, max_num_seqs=max_num_seqs)
     budget = EngineMemory(kv_cache_bytes=8 << 30, kv_cache_blocks=4096, gpu_memory_utilization=1.0)
-    observed = dataclasses.replace(manifest, observation=observation(model, running), engine_memory=budget)
-    write_manifest(folder, observed)
+    write_manifest(folder, dataclasses.replace(manifest, observation=observation(model, running), engine_memory=budget))
+    write_step_record(folder, manifest, running)
     # A broken file beside it: the manifest-error panel gets data on each host.
     (folder / "broken-by-test.json").write_text('{"schema_version": 1, "truncated": ')
     engine = stack.enter_context(SimulatedEngine(vllm_page_with(running, model.model_name)))

@@ -26,6 +26,7 @@ from kv_exporter.observation import CudaMemory, CudaWarm, Observation, Observati
 from kv_exporter.reference import MIMO_AUDIO, MINICPM_O, QWEN3_TTS, ReferenceModel
 from kv_exporter.sidecar.buildinfo import build_info
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
+from kv_exporter.steprecord import RecordWriter, new_record, record_name
 from tests.support.constants import GIB, QWEN_ROW, UUID0
 from tests.support.exporter import exporter, simulated_gpu
 from tests.support.manifests import reference_manifest
@@ -59,14 +60,21 @@ def observed(taken_at: float) -> Observation:
 
 
 def write_inputs(folder: Path, served_model: str) -> None:
-    """The fixed manifests: the page's model (Qwen3-TTS geometry, observed in a pod), an engine no page shows (its
-    observation off), a restarted engine's stale leftover, a manifest from an older hook (schema version 1, no
-    observation) on a GPU the reader does not have, and a broken file."""
+    """The fixed manifests: the page's model (Qwen3-TTS geometry, observed in a pod; its worker keeps no step
+    record, so the page gives its running count), an engine no page shows (its observation off; its worker's step
+    record says 5 run now, 7 at most), a restarted engine's stale leftover, a manifest from an older hook (schema
+    version 1, no observation) on a GPU the reader does not have, and a broken file."""
     qwen = reference_manifest(ReferenceModel(served_model, QWEN3_TTS.declarations), pid=4242)
     pod = PodInfo(name="tts-0", namespace="serving", container="engine")
     write_manifest(folder, replace(qwen, pod=pod, observation=observed(time.time() - 1), engine_memory=BUDGET))
     off = Observation(ObservationState.OFF, "KV_EXPORTER_OBSERVE_INTERVAL=0", 0.0, 0.0, 0.0)
-    write_manifest(folder, replace(reference_manifest(MIMO_AUDIO, max_num_seqs=64, pid=4300), observation=off))
+    mimo = write_manifest(folder, replace(reference_manifest(MIMO_AUDIO, max_num_seqs=64, pid=4300), observation=off))
+    record = bytearray(new_record(4300, 1000))
+    writer = RecordWriter(record)
+    writer.begin(7)
+    writer.end()
+    writer.begin(5)  # running: the scrape comes well within a minute of it
+    (folder / record_name(mimo.name)).write_bytes(bytes(record))
     current = reference_manifest(MINICPM_O, max_num_seqs=8, pid=4400, gpu=1)
     document = json.loads(current.to_json())
     del document["pod"], document["observation"], document["engine_memory"]
@@ -141,14 +149,14 @@ def test_golden_figures_by_hand() -> None:
     """The reviewed numbers in the vLLM golden, recomputed here from first principles."""
     text = (GOLDEN / "vllm-0.32.prom").read_text()
     # kvx-tiny runs 0 on the recorded page: two max_num_seqs-driven Qwen3-TTS entries, 256 rows still to
-    # come; MiMo-Audio's engine is on no page: 64 rows still to come, at 720,896 B; fixed rows add nothing.
-    projected = 60 * GIB + 2 * 256 * QWEN_ROW + 64 * 720_896
+    # come; MiMo-Audio's worker runs 5 (its step record): 59 rows still to come, at 720,896 B; fixed rows add nothing.
+    projected = 60 * GIB + 2 * 256 * QWEN_ROW + 59 * 720_896
     assert f'model_local_kv_gpu_projected_peak_bytes{{UUID="{UUID0}",gpu="0",source="simulated"}} ' in text
     value = re.search(r"model_local_kv_gpu_projected_peak_bytes\{[^}]*\} (\S+)", text)
     assert value and float(value.group(1)) == projected
     # The page's engine's workers are capped at CAP with 22 GiB reserved: their own growth (kvx-tiny's share of the
     # projection) meets the cap long before the GPU's 80 GiB, so the worker's limit binds.
-    worker = CAP - 22 * GIB - (projected - 60 * GIB - 64 * 720_896)
+    worker = CAP - 22 * GIB - (projected - 60 * GIB - 59 * 720_896)
     assert worker < 80 * GIB - projected
     for name in ("model_local_kv_gpu_headroom_bytes", "model_local_kv_worker_headroom_bytes"):
         headroom = re.search(name + r"\{[^}]*\} (\S+)", text)

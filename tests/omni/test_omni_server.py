@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_exporter.manifest import Manifest, Phase, read_manifest
+from kv_exporter.manifest import Manifest, Phase, manifest_filename, read_manifest
 from kv_exporter.observation import ObservationState
+from kv_exporter.steprecord import StepRecord, decode, record_name
 from tests.omni.omni_server import (
     MAX_NUM_SEQS,
     OBSERVE_INTERVAL_S,
@@ -209,7 +210,7 @@ MAX_LOAD_S = 60.0
 SAMPLE_EVERY_S = 0.3
 
 
-def test_sidecar_reads_both_gauges_and_the_estimate_follows_the_running_count(
+def test_sidecar_reads_the_workers_and_the_estimate_follows_the_running_count(
     omni: OmniServer, sidecar: Sidecar
 ) -> None:
     manifests = manifests_by_replica(omni)
@@ -246,6 +247,22 @@ def test_sidecar_reads_both_gauges_and_the_estimate_follows_the_running_count(
             assert reading.static_estimate == static_row
             peak = max(peak, reading.running)
     assert peak >= 2, f"the estimate never followed concurrent requests: {samples}"
+
+
+def test_each_stage_worker_records_its_steps_and_the_sidecar_reads_them(omni: OmniServer, sidecar: Sidecar) -> None:
+    """The stage workers run their steps through vLLM's worker (`self.model_runner.execute_model`): each keeps a
+    step record beside its manifest, written by its own process, and the load above ran steps in every one."""
+    manifests = manifests_by_replica(omni)
+    page = parse(sidecar.text())
+    for replica, m in manifests.items():
+        path = omni.manifest_dir / record_name(manifest_filename(m.engine))
+        record = decode(path.read_bytes())
+        assert isinstance(record, StepRecord), record
+        assert (record.pid, record.start_time_ticks) == (m.process.pid, m.process.start_time_ticks)
+        assert record.steps > 0 and record.steps - record.finished in (0, 1)
+        labels = {"model_name": omni.model_name, "stage": str(m.engine.stage), "engine": str(replica)}
+        assert pick(page, "model_local_kv_running_state", **labels, state="absent") == 0
+        assert pick(page, "model_local_kv_running_sequences_max", **labels) <= MAX_NUM_SEQS
 
 
 def test_sidecar_exports_the_stage_workers_observation(omni: OmniServer, sidecar: Sidecar) -> None:

@@ -32,7 +32,8 @@ from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, scan_page
 from kv_exporter.sidecar.exposition import Exposition
 from kv_exporter.sidecar.families import families
 from kv_exporter.sidecar.liveness import State, Verdict
-from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult
+from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult, engine_key
+from kv_exporter.sidecar.running import Running, RunningState
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
 from kv_exporter.sidecar.snapshot import build_snapshot
 from tests.support.constants import SIMULATE_GPU
@@ -165,8 +166,12 @@ def test_the_series_accounting_matches_the_families(
     manifest = dataclasses.replace(reference_manifest(QWEN3_TTS), observation=sample, pod=pod)
     entry = ManifestEntry("/m.json", manifest, Verdict(State.LIVE, "test"))
     page = PageResult("http://e/metrics", scan_page(vllm_page_with(3, QWEN3_TTS.model_name)), None, 0.0)
-    # With its engine's page read, the manifest's page reaches the bound exactly.
-    snapshot = build_snapshot([entry], [page], GpuResult(enabled=False, source=None), taken_at=1_764_480_001.0)
+    # With its worker's step record and its engine's page read (their difference too), the manifest's page reaches
+    # the bound exactly.
+    workers = {engine_key(manifest): Running(RunningState.STEPPING, 3, 5)}
+    snapshot = build_snapshot(
+        [entry], [page], GpuResult(enabled=False, source=None), taken_at=1_764_480_001.0, workers=workers
+    )
     per_manifest = [f for f in families(snapshot) if {"model_name", "engine"} <= set(getattr(f, "label_names", ()))]
     cost = manifest_cost(manifest)
     assert sum(len(f.samples) for f in per_manifest) == cost.series

@@ -339,6 +339,28 @@ def test_a_uuid_entry_is_resolved_to_nvmls_index(tmp_path: Path, monkeypatch: py
     assert manifest.baseline.nvml_process_used_bytes is None  # this pid holds nothing there
 
 
+@pytest.mark.parametrize("recorded", [True, False], ids=["default", "KV_EXPORTER_STEP_RECORD=0"])
+def test_the_step_record_beside_the_manifest_and_its_clean_exit(tmp_path: Path, recorded: bool) -> None:
+    steps: list[object] = []
+    worker = runner(two_owner_model())
+    worker.execute_model = steps.append  # a runner's step: what the hook wraps on the instance
+    settings = HookSettings(disabled=False, directory=tmp_path, explicit_directory=True, collector="kv_exporter",
+                            step_record=recorded)  # fmt: skip
+    path = publish(worker, Phase.LOAD, settings)
+    assert path is not None and publish(worker, Phase.WARMUP, settings) == path
+    record = path.with_suffix(".steps")
+    assert record.exists() == recorded
+    worker.execute_model(SimpleNamespace(num_scheduled_tokens={"a": 1, "b": 1}))
+    assert len(steps) == 1
+    publish_module._cleanup.run()
+    assert not path.exists() and not record.exists()
+
+
+def test_step_recording_is_on_unless_turned_off() -> None:
+    assert HookSettings.from_environ({}).step_record
+    assert not HookSettings.from_environ({"KV_EXPORTER_STEP_RECORD": "0"}).step_record
+
+
 def test_clean_exit_removes_only_our_own_file(tmp_path: Path) -> None:
     ours = publish(runner(two_owner_model()), Phase.LOAD, settings_for(tmp_path / "a"))
     replaced = publish(runner(two_owner_model()), Phase.LOAD, settings_for(tmp_path / "b"))

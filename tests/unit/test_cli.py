@@ -18,8 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kv_exporter.manifest import ProcessInfo, write_manifest
 from kv_exporter.observation import Observation, ObservationState, OwnerObservation
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS, REFERENCE_MODELS
+from kv_exporter.sidecar.arguments import parse_simulated_gpu, parse_size
 from kv_exporter.sidecar.buildinfo import build_info
-from kv_exporter.sidecar.cli import main, parse_simulated_gpu, parse_size
+from kv_exporter.sidecar.cli import main
 from kv_exporter.sidecar.units import human_bytes
 from kv_exporter.web.reload import RELOAD_METRIC
 from tests.support.constants import GIB, REPO

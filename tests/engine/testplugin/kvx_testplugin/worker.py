@@ -11,7 +11,8 @@ only after the inner call, and a manifest written from inside it would miss it. 
 step's scheduled and finished request ids to `kvx_observed` before the step runs (a model's forward sees no request
 ids), and changes nothing else. Its `kvx_observation` pauses and resumes the observation in the worker, for
 bench_decode's same-server comparison (called through vLLM's dev-mode `/collective_rpc`), and `kvx_step_arms` turns
-on its per-step comparison: each step runs with observation's hooks on or off at random, timed (`StepArms`).
+on its per-step comparison: each step runs with the hook's step-path work (observation's hooks and the step record's
+wrapper) on or off at random, timed (`StepArms`), beside a probe of the step record's own cost.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from kv_exporter.observation import Observation
 from kv_exporter.plugin import observe
+from kv_exporter.plugin._steps import Record, StepWrapper
 from kv_exporter.plugin.observe import registry
+from kv_exporter.steprecord import new_record
 from kvx_testplugin.geometry import CAPTURE_SIZES
 from kvx_testplugin.model import LateOwner, record
 
@@ -65,20 +68,39 @@ class KvxCPUWorker(cpu_worker.CPUWorker):
         return result
 
 
+def _plain(scheduler_output: Any) -> Any:
+    """What every runner reads of its scheduler output anyway (the probe's shared part: its cache misses fall on
+    whichever call comes first, so the order is random)."""
+    return len(scheduler_output.num_scheduled_tokens)
+
+
+StepTime = tuple[int, bool, int, bool, int, int, int, bool]
+
+
 class StepArms:
-    """Steps in adjacent pairs, one with the observation's step-path hooks on and one off in random order, each
-    timed.
+    """Steps in adjacent pairs, one with the hook's step-path work on and one off in random order, each timed around
+    the worker's call of its runner (`self.model_runner.execute_model`, as vLLM's worker makes it).
 
     Off: the tracker's hooks report nowhere (`registry._Hooks` emptied) and every wrapped cache or layer method is
-    its original again, as a paused observation leaves them; on: as the hook installed them. The sampler thread
-    runs throughout (its cost is measured apart). Two adjacent steps share the machine's load of the moment, so a
-    pair's ratio leaves most of this shared machine's drift out; a switch happens before a step, outside its timing,
-    and costs both arms alike."""
+    its original again, as a paused observation leaves them, and the runner's step record wrapper is gone (the
+    class's method is called); on: as the hook installed them. The sampler thread runs throughout (its cost is
+    measured apart). Two adjacent steps share the machine's load of the moment, so a pair's ratio leaves most of
+    this shared machine's drift out; a switch happens before a step, outside its timing, and costs both arms alike.
+
+    Before each step, outside its timing, the probe times one call of the step record's writer around a plain
+    function with this step's scheduler output, and one of the plain function alone, in random order (control: the
+    plain function twice): what the record itself costs a step, in the worker, against what the timing resolves. The
+    plain function reads what the writer reads, `len(scheduler_output.num_scheduled_tokens)`, as every runner does
+    in its step: the difference is the writer's own work."""
 
     HOOKS = ("track", "release", "mark", "catch_up")
 
-    def __init__(self, installed: registry.Registry, control: bool = False) -> None:
+    def __init__(self, installed: registry.Registry, runner: Any, control: bool = False) -> None:
         self._control = control  # both arms on: what the arms differ by when nothing tells them apart
+        self._runner = runner
+        self._record_wrapper = vars(runner)["execute_model"]  # the hook's, on the instance
+        assert isinstance(self._record_wrapper, StepWrapper)
+        self._probe = StepWrapper(_plain, Record(bytearray(new_record(0, 0))))
         self._on = {name: getattr(registry._Hooks, name) for name in self.HOOKS}
         self._methods = [
             (klass, name, method, getattr(method, registry.PATCHED_MARK))
@@ -89,8 +111,9 @@ class StepArms:
         self._current: bool | None = None
         self._pair = 0
         self._second: bool | None = None  # the arm the pair's second step runs
-        # (pair, hooks on, sequences, a decode step: one token each, ns), in step order
-        self.times: list[tuple[int, bool, int, bool, int]] = []
+        # (pair, hooks on, sequences, a decode step: one token each, ns; the probe: the writer's ns, the plain call's
+        # ns, whether the writer's call came first)
+        self.times: list[StepTime] = []
 
     def choose(self) -> tuple[int, bool]:
         if self._second is None:
@@ -108,16 +131,43 @@ class StepArms:
             setattr(registry._Hooks, name, self._on[name] if hooked else None)
         for klass, name, wrapped, original in self._methods:
             setattr(klass, name, wrapped if hooked else original)
+        if hooked:
+            vars(self._runner)["execute_model"] = self._record_wrapper
+        else:
+            vars(self._runner).pop("execute_model", None)
         self._current = on
+
+    def probe(self, scheduler_output: Any) -> tuple[int, int, bool]:
+        """(ns of one call through the step record's writer, ns of one plain call, whether the writer's came first):
+        the first call of the two meets the step's cold caches, so the order is random and kept."""
+        wrapped = _plain if self._control else self._probe
+        clock = time.perf_counter_ns
+        if random.random() < 0.5:
+            a = clock()
+            wrapped(scheduler_output)
+            b = clock()
+            _plain(scheduler_output)
+            c = clock()
+            return b - a, c - b, True
+        a = clock()
+        _plain(scheduler_output)
+        b = clock()
+        wrapped(scheduler_output)
+        c = clock()
+        return c - b, b - a, False
 
 
 class KvxRequestsCPUModelRunner(CPUModelRunner):
     step_arms: StepArms | None = None
+    # (began, ended, sequences) of each step, CLOCK_MONOTONIC seconds, while a test asks for them (`kvx_steps`): the
+    # worker's batches seen from inside the runner, independently of kv-exporter's step record.
+    step_log: list[tuple[float, float | None, int]] | None = None
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        arms = self.step_arms
-        pair, on = arms.choose() if arms is not None else (0, True)
-        started = time.perf_counter_ns()
+        log = self.step_log
+        if log is not None:
+            log.append((time.monotonic(), None, len(scheduler_output.num_scheduled_tokens)))
+            at = len(log) - 1
         try:
             owners = getattr(self.model, "kvx_observed", None)
             if owners is not None:
@@ -125,10 +175,8 @@ class KvxRequestsCPUModelRunner(CPUModelRunner):
                 owners.schedule(scheduler_output.num_scheduled_tokens, finished)
             return super().execute_model(scheduler_output, *args, **kwargs)
         finally:
-            if arms is not None:
-                scheduled = scheduler_output.num_scheduled_tokens
-                decode = bool(scheduled) and max(scheduled.values()) == 1
-                arms.times.append((pair, on, len(scheduled), decode, time.perf_counter_ns() - started))
+            if log is not None:
+                log[at] = (log[at][0], time.monotonic(), log[at][2])
 
 
 class KvxRequestsCPUWorker(cpu_worker.CPUWorker):
@@ -137,6 +185,22 @@ class KvxRequestsCPUWorker(cpu_worker.CPUWorker):
     def init_device(self) -> None:
         with builds(KvxRequestsCPUModelRunner):
             super().init_device()
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        runner = self.model_runner
+        arms = getattr(runner, "step_arms", None)
+        if arms is None:
+            return super().execute_model(scheduler_output)
+        pair, on = arms.choose()
+        probe = arms.probe(scheduler_output)
+        started = time.perf_counter_ns()
+        try:
+            return super().execute_model(scheduler_output)
+        finally:
+            elapsed = time.perf_counter_ns() - started
+            scheduled = scheduler_output.num_scheduled_tokens
+            decode = bool(scheduled) and max(scheduled.values()) == 1
+            arms.times.append((pair, on, len(scheduled), decode, elapsed, *probe))
 
     def kvx_observation(self, state: str) -> str:
         """ "paused": the sampler stopped and new caches untracked, as near observation off as a process that has
@@ -154,15 +218,23 @@ class KvxRequestsCPUWorker(cpu_worker.CPUWorker):
         sampler = observer.sampler
         return "running" if sampler is not None and sampler.running else "paused"
 
-    def kvx_step_arms(self, state: str) -> list[tuple[int, bool, int, bool, int]]:
-        """ "on": from the next step, steps in pairs with the hooks on and off (observation must be running);
-        "control": the same pairs, both on; "collect": the steps timed since the last call, as StepArms.times;
-        "off": the hooks on again for good, and the last steps timed."""
+    def kvx_steps(self, state: str) -> list[tuple[float, float | None, int]]:
+        """ "on": log every step from now on (CLOCK_MONOTONIC seconds, which other processes of the machine share);
+        "collect": the steps logged since the last call (a step still running has no end yet)."""
+        runner = self.model_runner
+        assert isinstance(runner, KvxRequestsCPUModelRunner)
+        logged, runner.step_log = runner.step_log or [], []
+        return logged if state == "collect" else []
+
+    def kvx_step_arms(self, state: str) -> list[StepTime]:
+        """ "on": from the next step, steps in pairs with the hook's step-path work on and off (observation must be
+        running); "control": the same pairs, both on; "collect": the steps timed since the last call, as
+        StepArms.times; "off": the hooks on again for good, and the last steps timed."""
         runner = self.model_runner
         assert isinstance(runner, KvxRequestsCPUModelRunner)
         arms = runner.step_arms
         if state in ("on", "control") and arms is None:
-            runner.step_arms = arms = StepArms(observe._observer.registry, control=state == "control")
+            runner.step_arms = arms = StepArms(observe._observer.registry, runner, control=state == "control")
         if arms is None:
             return []
         times, arms.times = arms.times, []
