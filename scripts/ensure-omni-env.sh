@@ -12,25 +12,10 @@ PYTHON=${PYTHON:-python3}
 STAMP=$VENV/.installed
 PLUGIN_PKG=tests/omni/plugin_pkg
 
-want=$(cat "$0" "$PLUGIN_PKG/pyproject.toml" | sha256sum | cut -d' ' -f1)
-if [[ -f $STAMP && "$(cat "$STAMP")" == "$want" ]]; then
-    echo "ensure-omni-env: $VENV is up to date"
-    exit 0
-fi
-
-# Two test runs in the same checkout must not build the venv at the same time (the lock lives inside the
-# ignored venv folder).
-mkdir -p "$VENV"
-exec 9>"$VENV/.build.lock"
-flock 9
-if [[ -f $STAMP && "$(cat "$STAMP")" == "$want" ]]; then
-    exit 0
-fi
-rm -f "$STAMP"
-
-[[ -x $VENV/bin/python ]] || "$PYTHON" -m venv "$VENV"
+want=$(cat "$0" scripts/lib/venv.sh "$PLUGIN_PKG/pyproject.toml" | sha256sum | cut -d' ' -f1)
+source scripts/lib/venv.sh
+open_venv ensure-omni-env "$want"
 PIP=("$VENV/bin/python" -m pip install -q)
-"${PIP[@]}" --upgrade pip
 
 # The engine plus the packages vllm-omni's imports need (transformers range: vllm-omni 0.30's pin; x-transformers:
 # its own requirement, imported by the Ming talker's DiT and aggregator, which the upstream-peak tests build).

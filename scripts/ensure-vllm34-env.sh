@@ -13,24 +13,10 @@ VENV=.venv-vllm34
 PYTHON=${PYTHON:-python3}
 STAMP=$VENV/.installed
 
-want=$(sha256sum "$0" | cut -d' ' -f1)
-if [[ -f $STAMP && "$(cat "$STAMP")" == "$want" ]]; then
-    echo "ensure-vllm34-env: $VENV is up to date"
-    exit 0
-fi
-
-# Two test runs in the same checkout must not build the venv at the same time (the lock lives inside the venv).
-mkdir -p "$VENV"
-exec 9>"$VENV/.build.lock"
-flock 9
-if [[ -f $STAMP && "$(cat "$STAMP")" == "$want" ]]; then
-    exit 0
-fi
-rm -f "$STAMP"
-
-[[ -x $VENV/bin/python ]] || "$PYTHON" -m venv "$VENV"
+want=$(cat "$0" scripts/lib/venv.sh | sha256sum | cut -d' ' -f1)
+source scripts/lib/venv.sh
+open_venv ensure-vllm34-env "$want"
 PIP=("$VENV/bin/python" -m pip install -q)
-"${PIP[@]}" --upgrade pip
 
 # torch and the CUDA libraries its native modules link against (its own requirements, less triton).
 "${PIP[@]}" --no-deps 'torch==2.14.1'
