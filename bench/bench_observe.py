@@ -60,7 +60,7 @@ the "updated" arm one position added to each layer of {UPDATED} of the caches an
 the step (a fall, so every step also pays the accounting's catch-ups). Sampling on: the plugin's sampler thread
 samples every {SAMPLE_EVERY_S:g} s, as in a worker; off: no sampler thread, the same hooks. Arms alternate in blocks
 (on, off, off, on, ...) of S seconds each; the figures are each step's wall time pooled over an arm's blocks: p50,
-p99, p999 and mean, and the ratios on / off.
+p99, p999 and mean, and the ratios on / off. --control: neither arm samples (the ratios then show the noise).
 Sample: `observe.observe()` in the main thread with 10,000 live idle caches (nothing marked since the last sample)
 and right after every one of them changed (all of them read): wall time, median over repeats.
 Attach: `observe.attach` on a {TREE_MODULES:,}-module tree (the publisher calls it once per phase).
@@ -251,8 +251,14 @@ def sampling(on: bool) -> Callable[[], None]:
 Ratios = dict[tuple[int, str], dict[str, float]]  # (live caches, arm) -> figure -> on / off
 
 
-def step_costs(report: Report, sizes: list[int], seconds: float, blocks: int) -> Ratios:
+def step_costs(report: Report, sizes: list[int], seconds: float, blocks: int, control: bool) -> Ratios:
+    """`control`: the "on" arm samples nothing either, so its ratios show the bench's own noise."""
     tracking(None)
+    # One intra-op thread: with torch's two on these two cores, steps flipped between ~9.4 and ~14 ms modes from block
+    # to block and run to run (one run's p50 on / off 1.33x, the next 1.00x), drowning the GIL's effect these figures
+    # are about. A GPU worker's model thread launches kernels from one thread, and its node has cores to spare.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     ratios: Ratios = {}
     for size in sizes:
         caches = live_caches(size)
@@ -264,7 +270,7 @@ def step_costs(report: Report, sizes: list[int], seconds: float, blocks: int) ->
             for index in range(blocks):
                 for on in (True, False) if index % 2 == 0 else (False, True):
                     gc.collect()
-                    stop = sampling(on)
+                    stop = sampling(on and not control)
                     try:
                         pooled[on].extend(model.run(seconds))
                     finally:
@@ -272,6 +278,7 @@ def step_costs(report: Report, sizes: list[int], seconds: float, blocks: int) ->
             ratios[size, arm] = step_report(report, f"{size:,} caches, {arm}", pooled)
         del caches
         gc.collect()
+    torch.set_num_threads(threads)
     untracked()
     return ratios
 
@@ -342,8 +349,9 @@ def main() -> int:
     parser.add_argument("--creations", type=int, default=20_000)
     parser.add_argument("--steps", type=int, default=64, help="decode steps per update run")
     parser.add_argument("--step-sizes", default="256,1000,10000")
-    parser.add_argument("--step-seconds", type=float, default=10.0, help="seconds per block of steps")
-    parser.add_argument("--step-blocks", type=int, default=4, help="blocks per arm (alternating on, off)")
+    parser.add_argument("--step-seconds", type=float, default=3.0, help="seconds per block of steps")
+    parser.add_argument("--step-blocks", type=int, default=12, help="blocks per arm (alternating on, off)")
+    parser.add_argument("--control", action="store_true", help="both step arms without the sampler: the noise")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     report = Report("Observation: cost per cache created, per update, per sample, and to a model's steps", METHOD)
@@ -353,7 +361,7 @@ def main() -> int:
     added = creation_costs(report, args.repeats, args.creations)
     update_added = update_costs(report, args.repeats, args.steps)
     sizes = [int(size) for size in args.step_sizes.split(",")]
-    steps = step_costs(report, sizes, args.step_seconds, args.step_blocks)
+    steps = step_costs(report, sizes, args.step_seconds, args.step_blocks, args.control)
     sample_s = sample_costs(report, 10_000, max(3, args.repeats // 3))
     attach_cost(report, args.repeats)
     report.check(
