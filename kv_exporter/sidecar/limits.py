@@ -141,7 +141,8 @@ def engine_budgets(entries: Iterable[ManifestEntry], gpu: GpuResult) -> tuple[En
         if m is None or not entry.live or m.engine_memory is None:
             continue
         memory = m.engine_memory
-        budget = budgets.setdefault((engine_key(m), placement(m, gpu), m.pod), EngineBudget(*_group(m, gpu)))
+        group = _group(m, gpu)
+        budget = budgets.setdefault(group, EngineBudget(*group))
         if memory.kv_cache_bytes is not None:
             budget.kv_cache_bytes = (budget.kv_cache_bytes or 0) + memory.kv_cache_bytes
         if memory.kv_cache_blocks is not None:

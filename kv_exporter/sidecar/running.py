@@ -82,8 +82,8 @@ ABSENT = Running(RunningState.ABSENT)
 
 def judge(record: StepRecord, now_ns: int, most: int, max_num_seqs: int) -> Running:
     """A worker's running count at `now_ns` (CLOCK_MONOTONIC), from a consistent record and the most its buckets
-    hold over the window (`window_most`)."""
-    if record.steps > record.finished:  # in a step
+    hold over the window (`_Buckets.most`)."""
+    if record.in_step:
         ran_for = now_ns - record.latest_started_ns
         state = RunningState.STALLED if ran_for >= _STALL_NS else RunningState.STEPPING
         latest = record.latest
@@ -97,11 +97,6 @@ def judge(record: StepRecord, now_ns: int, most: int, max_num_seqs: int) -> Runn
     if most > max_num_seqs:  # no step runs more than its engine's max_num_seqs
         return Running(RunningState.INVALID)
     return Running(state, latest, most)
-
-
-def window_most(record: StepRecord, now_ns: int, window_ns: int) -> int:
-    """The most any step ran in the seconds the window reaches (one bucket wider at most)."""
-    return record.most_in((now_ns - window_ns) // BUCKET_NS, now_ns // BUCKET_NS)
 
 
 class _Buckets:

@@ -31,7 +31,6 @@ from kv_exporter.sidecar.running import (
     engine_running,
     engines_running,
     judge,
-    window_most,
 )
 from kv_exporter.sidecar.snapshot import WORKERS, Snapshot, build_snapshot
 from kv_exporter.steprecord import (
@@ -162,6 +161,11 @@ def test_the_record_is_named_after_its_manifest() -> None:
 
 
 # -- judging it at the scrape -----------------------------------------------------------------------------------
+
+
+def window_most(record: StepRecord, now_ns: int, window_ns: int) -> int:
+    """The reference: the most any step ran in the seconds the window reaches, read whole from the record."""
+    return record.most_in((now_ns - window_ns) // BUCKET_NS, now_ns // BUCKET_NS)
 
 
 def judged(record: StepRecord, now: int, max_num_seqs: int) -> Running:
