@@ -1,0 +1,128 @@
+"""The corpus for issue 39's "no false KV": every module of vllm-omni 0.30.0 and 0.32.0rc1 that declares model-local
+KV, and the model roots holding them, built from tiny configs on CPU as upstream builds them, observed idle and after
+a step, under the state rule (kv_exporter/plugin/observe/holders.py, `kv_evidence`) and every other rule beside the
+transformers caches (the known classes). What kv-exporter counts must be K/V and all of the K/V alive, to the byte,
+against an independent count (kvx_omni_testplugin.corpus). The same corpus under the rules the state rule replaced
+(a declared dtype and a whole number of KV vectors; a declared dtype alone) must fail: MiMo-Audio's root holds
+staging buffers those rules take for KV.
+
+The declaring classes (`grep -rn "def model_local_kv_specs"` over each wheel's vllm_omni/model_executor/models), and
+how each is built here (cases of kvx_omni_testplugin.corpus):
+- MiMoAudioLLMForConditionalGeneration (mimo_audio/mimo_audio_llm.py; a root; both releases): its real `__init__`
+  on a real VllmConfig with a one-process gloo group (vLLM's Qwen2 inside; `_audio_embeds_buffer`,
+  `_attention_mask_buffer` and `_new_audio_emb_buffer` registered). `mimo`: as a CPU builds it (no graph bucket),
+  idle and after eager `apply_input_local_transformer` and `local_forward`. `mimo_graph_buffers`: idle, with every
+  bucket's real MiMoLocalDecodeBuffer and MiMoInputLocalTransformerBuffer and a graph object holding the output its
+  capture returns, as a GPU's `__init__` keeps them (no graph is captured: that needs CUDA).
+- Qwen3TTSTokenizerV2Decoder (qwen3_tts/tokenizer_12hz/) in the root Qwen3TTSCode2Wav, and CUDAGraphDecoderWrapper
+  (qwen3_tts/segmented_graph_wrapper.py; a plain object the decoder forwards; both releases): real `__init__` and
+  `load_weights` from a written folder. `qwen3_tts_eager` (no wrapper: declares nothing) and `qwen3_tts_wrapper`
+  (its real `enable_cudagraph`, every capture failing), idle and after async-chunk steps.
+- MiniCPMWhisperEncoder (minicpmo_4_5/minicpmo_4_5_omni_llm.py; both releases): its real `__init__`; the thinker and
+  the root MiniCPMO45OmniForConditionalGeneration `bare` (their real `__init__` builds the LLM by hub name).
+  `minicpmo_030`: through the real duplex runtime, idle and after 4 chunks; `minicpmo_032` (0.32.0rc1's batched
+  streaming sessions, a known class): idle.
+- MingFlashOmniTalkerForConditionalGeneration (ming_flash_omni/ming_flash_omni_talker.py; a root) and
+  MingAudioGenerator (talker_module.py; a plain object the root forwards): `ming_talker` on 0.30.0, the root `bare`
+  with its real parts, idle and after 2 requests. Not built on 0.32.0rc1: its aggregator imports `x_transformers`,
+  which .venv-omni32 does not install.
+- VibeVoiceForConditionalGeneration (vibevoice/vibevoice.py; a root; 0.32.0rc1) and VibeVoiceNegativeKV
+  (negative_kv.py; a plain object the root forwards): `vibevoice_032`, the root `bare` (its real `__init__` builds
+  tokenizers and a diffusion head from a checkpoint) holding the real VibeVoiceNegativeKV with its pool laid out as
+  `allocate` lays it out (`allocate` refuses a CPU); idle only (its forward needs FlashAttention 3).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Any
+
+import pytest
+
+from tests.omni.omni_server import CHECKOUT_PATHS, OMNI_030, OMNI_032, Release
+
+PRODUCT_RULE = "kv_evidence"
+LOOSER_RULES = ("whole_kv_vectors", "declared_dtype")
+COMMON = ("mimo", "mimo_graph_buffers", "qwen3_tts_eager", "qwen3_tts_wrapper", "minicpmo_030")
+CASES = {
+    OMNI_030.version: (*COMMON, "ming_talker"),
+    OMNI_032.version: (*COMMON, "vibevoice_032", "minicpmo_032"),
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(release: Release, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every case of this release, one child process each (kvx_omni_testplugin.corpus): case -> its result."""
+    out = tmp_path_factory.mktemp(f"corpus-{release.version}")
+    env = {"PYTHONPATH": ":".join(map(str, CHECKOUT_PATHS)), "HOME": str(out), "VLLM_NO_USAGE_STATS": "1"}
+    cases = CASES[release.version]
+    command = [str(release.python), "-m", "kvx_omni_testplugin.corpus", str(out), *cases]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, check=False)
+    results = {case: json.loads((out / f"{case}.json").read_text()) for case in cases}
+    errors = {case: r["error"] for case, r in results.items() if "error" in r}
+    assert done.returncode == 0 and not errors, (errors, done.stdout[-4000:], done.stderr[-4000:])
+    return results
+
+
+def violations(results: dict[str, dict[str, Any]], rule: str) -> list[str]:
+    """Each case and moment where what kv-exporter observed under `rule` is not the K/V alive, to the byte."""
+    found = []
+    for case, result in results.items():
+        for moment, figures in result["moments"].items():
+            observed = figures["observed"][rule]
+            if sum(observed.values()) != figures["truth"]["total"]:
+                found.append(f"{case} {moment}: observed {observed}, K/V alive {figures['truth']}")
+    return found
+
+
+def test_what_is_counted_is_the_kv_alive_to_the_byte(corpus: dict[str, dict[str, Any]]) -> None:
+    assert violations(corpus, PRODUCT_RULE) == []
+    # The corpus holds K/V where it should (else the equality above would hold with nothing counted at all).
+    alive = {(case, m): f["truth"]["total"] for case, r in corpus.items() for m, f in r["moments"].items()}
+    assert alive[("minicpmo_030", "step")] > 0 and alive[("qwen3_tts_wrapper", "step")] > 0
+    if "vibevoice_032" in corpus:
+        assert alive[("vibevoice_032", "idle")] > 0 and alive[("minicpmo_032", "idle")] > 0
+
+
+def test_mimo_root_shows_nothing_with_no_cache_alive_its_buffers_built(corpus: dict[str, dict[str, Any]]) -> None:
+    for case in ("mimo", "mimo_graph_buffers"):
+        result = corpus[case]
+        assert result["declared"] == {"": [[3, 4, 16, "bfloat16"]]}  # the local transformer's decode cache
+        for moment, figures in result["moments"].items():
+            assert figures["truth"]["total"] == 0, (case, moment)
+            assert figures["observed"][PRODUCT_RULE] == {}, (case, moment)
+            state = {s["path"]: s for s in figures["state"]}
+            staging = state["_new_audio_emb_buffer"]  # [max batch 100, 1, group_size, input-local hidden]
+            assert (staging["shape"], staging["dtype"], staging["bytes"]) == ([100, 1, 4, 64], "bfloat16", 51_200)
+            assert not any(s["kv"] for s in figures["state"])
+    graph_state = [s["path"] for s in corpus["mimo_graph_buffers"]["moments"]["idle"]["state"]]
+    for held_by in ("local_forward_buf_by_bs", "input_local_transformer_buf_by_bs", "input_local_transformer_cg_by_bs"):
+        assert sum(path.startswith(f"{held_by}[") for path in graph_state) >= 9  # every bucket's tensors
+
+
+def test_the_state_rule_counts_only_kv_of_each_declaring_owners_state(corpus: dict[str, dict[str, Any]]) -> None:
+    """Where an owner's state holds K/V beside other tensors (VibeVoice's pool beside its int32 block table), only
+    the K/V is counted; every other tensor any declaring owner's state holds is not."""
+    for case, result in corpus.items():
+        for moment, figures in result["moments"].items():
+            observed = figures["observed"][PRODUCT_RULE]
+            for owner in {s["owner"] for s in figures["state"]}:
+                kv_in_state = {s["path"]: s["bytes"] for s in figures["state"] if s["owner"] == owner and s["kv"]}
+                assert observed.get(owner, 0) >= sum(kv_in_state.values()), (case, moment, owner)
+    if "vibevoice_032" in corpus:
+        [idle] = corpus["vibevoice_032"]["moments"].values()
+        table = next(s for s in idle["state"] if s["path"] == "negative_kv._block_tables")
+        assert not table["kv"] and idle["observed"][PRODUCT_RULE] == {"": idle["truth"]["raw"]}
+
+
+@pytest.mark.parametrize("rule", LOOSER_RULES)
+def test_the_corpus_fails_a_looser_state_rule(corpus: dict[str, dict[str, Any]], rule: str) -> None:
+    """The negative corpus: the rules the state rule replaced take MiMo-Audio's staging buffers for KV, at least its
+    `_new_audio_emb_buffer` (51,200 B here; 819,200 B at the checkpoints' sizes), idle and after a step."""
+    found = violations(corpus, rule)
+    assert any(v.startswith("mimo idle:") for v in found) and any(v.startswith("mimo step:") for v in found)
+    assert any(v.startswith("mimo_graph_buffers idle:") for v in found)
+    for case in ("mimo", "mimo_graph_buffers"):
+        for figures in corpus[case]["moments"].values():
+            assert figures["observed"][rule][""] >= 51_200
