@@ -30,16 +30,29 @@ how each is built here (cases of kvx_omni_testplugin.corpus):
   (negative_kv.py; a plain object the root forwards): `vibevoice_032`, the root `bare` (its real `__init__` builds
   tokenizers and a diffusion head from a checkpoint) holding the real VibeVoiceNegativeKV with its pool laid out as
   `allocate` lays it out (`allocate` refuses a CPU); idle only (its forward needs FlashAttention 3).
+
+Beside them, two raw K/V stores of modules that declare nothing (rule 3, kv_exporter/plugin/observe/raw_stores.py),
+0.32.0rc1: `fish_speech_fast_ar` and `audio8_fast_ar`, each FastAR predictor by its real `__init__` (vLLM layers on
+a real VllmConfig, weights post-processed as vLLM's loader does) under a `bare` root of its real slow-AR class, idle
+and after three forwards. Not built: Qwen3's fused code predictor (`_kv_buf` is allocated only on CUDA), and the
+per-layer stores rule 3 does not see (fish_speech DAC `KVCache`, personaplex `_RingKV`, moss_tts ring caches,
+Qwen3-TTS `FrameLocalKVCache`).
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kv_exporter.manifest import read_manifest
+from kv_exporter.sidecar.liveness import State, Verdict
+from kv_exporter.sidecar.observed import OwnerView
+from kv_exporter.sidecar.observed import observe as sidecar_view
+from kv_exporter.sidecar.records import GpuResult, ManifestEntry
 from tests.omni.omni_server import CHECKOUT_PATHS, OMNI_030, OMNI_032, Release
 
 PRODUCT_RULE = "kv_evidence"
@@ -47,7 +60,7 @@ LOOSER_RULES = ("whole_kv_vectors", "declared_dtype")
 COMMON = ("mimo", "mimo_graph_buffers", "qwen3_tts_eager", "qwen3_tts_wrapper", "minicpmo_030")
 CASES = {
     OMNI_030.version: (*COMMON, "ming_talker"),
-    OMNI_032.version: (*COMMON, "vibevoice_032", "minicpmo_032"),
+    OMNI_032.version: (*COMMON, "vibevoice_032", "minicpmo_032", "fish_speech_fast_ar", "audio8_fast_ar"),
 }
 
 
@@ -83,6 +96,12 @@ def test_what_is_counted_is_the_kv_alive_to_the_byte(corpus: dict[str, dict[str,
     assert alive[("minicpmo_030", "step")] > 0 and alive[("qwen3_tts_wrapper", "step")] > 0
     if "vibevoice_032" in corpus:
         assert alive[("vibevoice_032", "idle")] > 0 and alive[("minicpmo_032", "idle")] > 0
+    # Rule 3 (raw stores of modules that declare nothing) looked at the corpus too: every module with an attention
+    # config of its own (HF attention and MLP modules, MiMo's local transformers, Qwen3-TTS's pre-transformer).
+    assert (
+        len(corpus["mimo"]["rule3_modules"]) >= 10
+        and "decoder.pre_transformer" in corpus["qwen3_tts_wrapper"]["rule3_modules"]
+    )
 
 
 def test_mimo_root_shows_nothing_with_no_cache_alive_its_buffers_built(corpus: dict[str, dict[str, Any]]) -> None:
@@ -126,3 +145,31 @@ def test_the_corpus_fails_a_looser_state_rule(corpus: dict[str, dict[str, Any]],
     for case in ("mimo", "mimo_graph_buffers"):
         for figures in corpus[case]["moments"].values():
             assert figures["observed"][rule][""] >= 51_200
+
+
+def views(path: str) -> dict[str, OwnerView]:
+    """The sidecar's figures for a published manifest, read as its sample was taken."""
+    manifest = read_manifest(Path(path))
+    assert manifest.observation is not None
+    entry = ManifestEntry(path, manifest, Verdict(State.LIVE, "test"))
+    snapshot = sidecar_view([entry], {}, GpuResult(False, None), manifest.observation.taken_at)
+    return {view.owner: view for view in snapshot.owners}
+
+
+@pytest.mark.parametrize("case", ["fish_speech_fast_ar", "audio8_fast_ar"])
+def test_a_raw_store_of_a_module_that_declares_nothing_is_its_own_unexplained_to_the_byte(
+    corpus: dict[str, dict[str, Any]], case: str
+) -> None:
+    """Rule 3: the fast-AR predictor's `_k_cache` / `_v_cache` (allocated by its first forward, regrown for a
+    larger batch, kept between calls) are observed under the module that holds them, all unexplained."""
+    if case not in corpus:
+        pytest.skip(f"{case} is new in vllm-omni 0.32.0rc1")
+    result = corpus[case]
+    assert result["declared"] == {}
+    idle, step = result["moments"]["idle"], result["moments"]["step"]
+    assert idle["truth"]["total"] == 0 and idle["observed"][PRODUCT_RULE] == {}  # nothing before the first forward
+    # [3 layers, 3 rows (the largest batch), 2 KV heads, 4 codebooks + 1, head size 16] float32, K and V
+    assert step["truth"] == {"caches": 0, "raw": 2 * 3 * 3 * 2 * 5 * 16 * 4, "total": 2 * 3 * 3 * 2 * 5 * 16 * 4}
+    assert step["observed"][PRODUCT_RULE] == {"fast_ar": step["truth"]["raw"]}
+    view = views(result["manifest"])["fast_ar"]
+    assert (view.observed_bytes, view.unexplained_bytes, view.declares) == (step["truth"]["raw"],) * 2 + (False,)

@@ -41,7 +41,7 @@ from kv_exporter.plugin.observe.owners import Geometry
 from kv_exporter.plugin.publish import publish
 from kv_exporter.plugin.settings import HookSettings
 from kvx_omni_testplugin import real_classes, upstream_peaks
-from kvx_omni_testplugin.vllm_roots import mimo_root
+from kvx_omni_testplugin.vllm_roots import mimo_root, vllm_config_for
 
 MAX_NUM_SEQS = 4
 
@@ -144,6 +144,7 @@ class Built:
     steps: list[Callable[[], Any]] = field(default_factory=list)
     raw_kv: Callable[[], list[Any]] = list
     how: str = ""
+    raw_owner: str | None = None  # the module holding raw_kv when it declares nothing (rule 3)
 
 
 def mimo_steps(root: Any) -> list[Callable[[], Any]]:
@@ -220,6 +221,66 @@ def from_real_classes(name: str) -> Callable[[Path], Built]:
     return build
 
 
+def fast_ar(folder: Path, kind: str) -> Built:
+    """A fast-AR residual-codebook predictor of 0.32.0rc1 (fish_speech or audio8_tts) by its real `__init__`, under
+    a bare root of its real slow-AR class (whose real `__init__` needs the whole checkpoint), driven through its real
+    forward: its `_ensure_buffers` keeps `_k_cache` / `_v_cache` [layers, batch, kv heads, codebooks + 1, head
+    size] between calls, and it declares nothing. Tiny sizes, the checkpoints' relations (4 heads to 2 KV heads)."""
+    import torch
+    from transformers import Qwen2Config
+
+    vllm_config = vllm_config_for(folder, Qwen2Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=1))
+    if kind == "fish_speech":
+        from vllm_omni.model_executor.models.fish_speech.configuration_fish_speech import (
+            FishSpeechFastARConfig,
+            FishSpeechSlowARConfig,
+        )
+        from vllm_omni.model_executor.models.fish_speech.fish_speech_fast_ar import FishSpeechFastAR as FastAR
+        from vllm_omni.model_executor.models.fish_speech.fish_speech_slow_ar import (
+            FishSpeechSlowARForConditionalGeneration as Root,
+        )
+
+        heads = {"dim": 64, "n_head": 4, "n_local_heads": 2, "head_dim": 16, "intermediate_size": 128}
+        slow = FishSpeechSlowARConfig(vocab_size=64, n_layer=2, semantic_begin_id=8, semantic_end_id=39, **heads)
+        fast = FishSpeechFastARConfig(vocab_size=64, num_codebooks=4, n_layer=3, max_seq_len=5, **heads)
+    else:
+        from vllm_omni.model_executor.models.audio8_tts.audio8_tts_fast_ar import Audio8TTSFastAR as FastAR
+        from vllm_omni.model_executor.models.audio8_tts.audio8_tts_slow_ar import (
+            Audio8TTSSlowARForConditionalGeneration as Root,
+        )
+        from vllm_omni.model_executor.models.audio8_tts.configuration_audio8_tts import (
+            Audio8TTSFastARConfig,
+            Audio8TTSSlowARConfig,
+        )
+
+        slow = Audio8TTSSlowARConfig(
+            vocab_size=64, dim=64, n_head=4, n_local_heads=2, head_dim=16, n_layer=2, intermediate_size=128,
+            codebook_size=32, num_codebooks=4, semantic_begin_id=8, semantic_end_id=39,
+        )  # fmt: skip
+        fast = Audio8TTSFastARConfig(
+            codebook_size=32, num_codebooks=4, fast_dim=64, fast_n_head=4, fast_n_local_heads=2, fast_head_dim=16,
+            n_fast_layer=3, fast_intermediate_size=128,
+        )  # fmt: skip
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    module = FastAR(vllm_config=vllm_config, config=fast, slow_ar_config=slow).eval()
+    # What vLLM's loader does once the (here random) weights are in: CPU linears pick their kernel.
+    process_weights_after_loading(module, vllm_config.model_config, torch.device("cpu"))
+    root = real_classes.bare(Root, fast_ar=module)
+
+    def step(batch: int) -> None:
+        with torch.no_grad():
+            module(torch.randn(batch, 64), torch.full((batch,), 9), do_sample=False)
+
+    return Built(
+        root,
+        [lambda: step(1), lambda: step(3), lambda: step(2)],  # grows to 3 rows, then keeps them
+        raw_kv=lambda: [t for t in (module._k_cache, module._v_cache) if t is not None],
+        raw_owner="fast_ar",
+        how=f"{kind} FastAR real __init__ on a real VllmConfig, bare root; 3 forwards of batch 1, 3, 2",
+    )
+
+
 CASES: dict[str, Callable[[Path], Built]] = {
     "mimo": case_mimo,
     "mimo_graph_buffers": case_mimo_graph_buffers,
@@ -229,6 +290,8 @@ CASES: dict[str, Callable[[Path], Built]] = {
     "ming_talker": from_peaks("ming_talker"),
     "vibevoice_032": from_real_classes("vibevoice"),
     "minicpmo_032": from_real_classes("minicpmo"),
+    "fish_speech_fast_ar": lambda folder: fast_ar(folder, "fish_speech"),
+    "audio8_fast_ar": lambda folder: fast_ar(folder, "audio8_tts"),
 }
 
 
@@ -268,11 +331,12 @@ def moment(built: Built) -> dict[str, Any]:
     return {
         "observed": observed,
         "truth": {"caches": sum(caches.values()), "raw": sum(raw.values()), "total": sum(kv.values())},
+        "raw_owner": built.raw_owner,
         "state": state,
     }
 
 
-def run_case(name: str, settings: HookSettings) -> dict[str, Any]:
+def run_case(name: str, out: Path, settings: HookSettings) -> dict[str, Any]:
     import torch
 
     started = time.monotonic()
@@ -287,12 +351,20 @@ def run_case(name: str, settings: HookSettings) -> dict[str, Any]:
         "case": name,
         "how": built.how,
         "declared": {path: sorted(map(list, g)) for path, g in active._model.declared.items()},
+        "rule3_modules": sorted(active._stores),  # the modules whose own config describes attention
         "moments": {"idle": moment(built)},
     }
     if built.steps:
         for step in built.steps:
             step()
         result["moments"]["step"] = moment(built)
+    # The manifest as the hook publishes it now (a copy: the hook removes its own when the process exits).
+    published = publish(runner, Phase.WARMUP, settings)
+    assert published == manifest
+    copy = out / "published" / f"{name}.json"
+    copy.parent.mkdir(exist_ok=True)
+    copy.write_bytes(published.read_bytes())
+    result["manifest"] = str(copy)
     result["seconds"] = round(time.monotonic() - started, 2)
     return result
 
@@ -304,7 +376,7 @@ def child(name: str, out: Path, settings: HookSettings) -> None:
     os.dup2(2, 1)  # vLLM's logger writes to stdout
     status = 1
     try:
-        result = run_case(name, settings)
+        result = run_case(name, out, settings)
         status = 0
     except BaseException as exc:  # reported through the result file, read by the test
         import traceback
