@@ -31,12 +31,15 @@ how each is built here (cases of kvx_omni_testplugin.corpus):
   tokenizers and a diffusion head from a checkpoint) holding the real VibeVoiceNegativeKV with its pool laid out as
   `allocate` lays it out (`allocate` refuses a CPU); idle only (its forward needs FlashAttention 3).
 
-Beside them, two raw K/V stores of modules that declare nothing (rule 3, kv_exporter/plugin/observe/raw_stores.py),
-0.32.0rc1: `fish_speech_fast_ar` and `audio8_fast_ar`, each FastAR predictor by its real `__init__` (vLLM layers on
-a real VllmConfig, weights post-processed as vLLM's loader does) under a `bare` root of its real slow-AR class, idle
-and after three forwards. Not built: Qwen3's fused code predictor (`_kv_buf` is allocated only on CUDA), and the
-per-layer stores rule 3 does not see (fish_speech DAC `KVCache`, personaplex `_RingKV`, moss_tts ring caches,
-Qwen3-TTS `FrameLocalKVCache`).
+Beside them, three raw K/V stores of modules that declare nothing (rule 3, kv_exporter/plugin/observe/
+raw_stores.py): `fish_speech_fast_ar` and `audio8_fast_ar` (both releases), each FastAR predictor by its real
+`__init__` (vLLM layers on a real VllmConfig, weights post-processed as vLLM's loader does) under a `bare` root of
+its real slow-AR class, idle and after three forwards; `qwen3_code_predictor` (0.32.0rc1: 0.30.0's has no K/V
+path), Qwen3's fused CodePredictorWrapper
+by its real `__init__` under a `bare` Qwen3-Omni talker root, its CUDA-only K/V path switched on as a CUDA platform
+does, after its real `_ensure_buffers` (the K/V forward itself needs CUDA). Not built: the per-layer stores rule 3
+does not see (fish_speech DAC `KVCache`, personaplex `_RingKV`, moss_tts ring caches, Qwen3-TTS
+`FrameLocalKVCache`).
 """
 
 from __future__ import annotations
@@ -57,10 +60,23 @@ from tests.omni.omni_server import CHECKOUT_PATHS, OMNI_030, OMNI_032, Release
 
 PRODUCT_RULE = "kv_evidence"
 LOOSER_RULES = ("whole_kv_vectors", "declared_dtype")
-COMMON = ("mimo", "mimo_graph_buffers", "qwen3_tts_eager", "qwen3_tts_wrapper", "minicpmo_030")
+RAW_STORES = (
+    ("fish_speech_fast_ar", "fast_ar"),
+    ("audio8_fast_ar", "fast_ar"),
+    ("qwen3_code_predictor", "code_predictor"),
+)
+COMMON = (
+    "mimo",
+    "mimo_graph_buffers",
+    "qwen3_tts_eager",
+    "qwen3_tts_wrapper",
+    "minicpmo_030",
+    "fish_speech_fast_ar",
+    "audio8_fast_ar",
+)
 CASES = {
     OMNI_030.version: (*COMMON, "ming_talker"),
-    OMNI_032.version: (*COMMON, "vibevoice_032", "minicpmo_032", "fish_speech_fast_ar", "audio8_fast_ar"),
+    OMNI_032.version: (*COMMON, "vibevoice_032", "minicpmo_032", "qwen3_code_predictor"),
 }
 
 
@@ -156,20 +172,21 @@ def views(path: str) -> dict[str, OwnerView]:
     return {view.owner: view for view in snapshot.owners}
 
 
-@pytest.mark.parametrize("case", ["fish_speech_fast_ar", "audio8_fast_ar"])
+@pytest.mark.parametrize(("case", "owner"), RAW_STORES)
 def test_a_raw_store_of_a_module_that_declares_nothing_is_its_own_unexplained_to_the_byte(
-    corpus: dict[str, dict[str, Any]], case: str
+    corpus: dict[str, dict[str, Any]], case: str, owner: str
 ) -> None:
-    """Rule 3: the fast-AR predictor's `_k_cache` / `_v_cache` (allocated by its first forward, regrown for a
-    larger batch, kept between calls) are observed under the module that holds them, all unexplained."""
+    """Rule 3: a fast-AR predictor's `_k_cache` / `_v_cache` (allocated by its first forward, regrown for a larger
+    batch, kept between calls) and the fused code predictor's `_kv_buf` are observed under the module that holds
+    them, all unexplained; the buffers beside them (`_embed_buf`, `_proj_buf`, position ids) are not."""
     if case not in corpus:
-        pytest.skip(f"{case} is new in vllm-omni 0.32.0rc1")
+        pytest.skip(f"{case}'s store is new in vllm-omni 0.32.0rc1")
     result = corpus[case]
     assert result["declared"] == {}
     idle, step = result["moments"]["idle"], result["moments"]["step"]
     assert idle["truth"]["total"] == 0 and idle["observed"][PRODUCT_RULE] == {}  # nothing before the first forward
     # [3 layers, 3 rows (the largest batch), 2 KV heads, 4 codebooks + 1, head size 16] float32, K and V
     assert step["truth"] == {"caches": 0, "raw": 2 * 3 * 3 * 2 * 5 * 16 * 4, "total": 2 * 3 * 3 * 2 * 5 * 16 * 4}
-    assert step["observed"][PRODUCT_RULE] == {"fast_ar": step["truth"]["raw"]}
-    view = views(result["manifest"])["fast_ar"]
+    assert step["observed"][PRODUCT_RULE] == {owner: step["truth"]["raw"]}
+    view = views(result["manifest"])[owner]
     assert (view.observed_bytes, view.unexplained_bytes, view.declares) == (step["truth"]["raw"],) * 2 + (False,)

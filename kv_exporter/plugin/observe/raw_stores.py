@@ -4,13 +4,13 @@ layer-stacked tensor a module keeps in its own attributes for the attention its 
 A module qualifies when it declares nothing and holds an attention config of the kind `spec_from_hf_config` reads
 (`config.num_hidden_layers`, `num_key_value_heads` or `num_attention_heads`, `head_dim` or `hidden_size /
 num_attention_heads`). A tensor counts when it is one of the module's own attributes or registered buffers (or an
-item of a list or tuple held there), not a parameter, of a floating dtype, and its shape shows that config's K/V:
-a first dimension of the config's layer count (a store for every layer at once), at least four dimensions, a last
-dimension of the head size (K or V alone) or twice it, and a dimension of the KV heads between. vllm-omni
-0.32.0rc1's fish_speech and audio8 fast-AR `_k_cache` / `_v_cache` ([layers, batch, kv heads, positions, head
-size]) and Qwen3's fused code-predictor `_kv_buf` ([layers, 2, batch, kv heads, positions, head size]) are such
-stores. Per-layer stores (a KVCache module of each layer, ring buffers in plain objects) show no layer count and
-are not counted by this rule. A store is charged to the module that holds it, as undeclared: all of it unexplained.
+item of a list or tuple held there), not a parameter, of a floating dtype, and its shape shows that config's K/V: a
+first dimension of the config's layer count (a store for every layer at once), at least four dimensions, a last
+dimension of the head size (K or V alone) or twice it, and a dimension of the KV heads between. vllm-omni's
+fish_speech and audio8 fast-AR `_k_cache` / `_v_cache` ([layers, batch, kv heads, positions, head size]) and
+0.32.0rc1's Qwen3 fused code-predictor `_kv_buf` ([layers, 2, batch, kv heads, positions, head size]) are such
+stores. Per-layer stores (a KVCache module of each layer, ring buffers in plain objects) show no layer count and are
+not counted by this rule. A store is charged to the module that holds it, as undeclared: all of it unexplained.
 """
 
 from __future__ import annotations

@@ -281,6 +281,47 @@ def fast_ar(folder: Path, kind: str) -> Built:
     )
 
 
+def qwen3_code_predictor(folder: Path) -> Built:
+    """Qwen3's fused code predictor (common/qwen3_code_predictor.py, 0.32.0rc1) by its real `__init__` with the
+    options Qwen3-Omni's talker gives it, under a bare root of that talker. Its incremental K/V path is opt-in and
+    CUDA-only (`code_predictor_kv_cache` and `is_cuda()`): set as such a platform sets it, its real `_ensure_buffers`
+    allocates `_kv_buf` [layers, 2, batch, KV heads, code groups + 1, head size] beside its `_proj_buf`; the K/V
+    forward itself is not driven (it needs CUDA)."""
+    import torch
+    from transformers import Qwen2Config, Qwen3Config
+    from vllm_omni.model_executor.models.common.qwen3_code_predictor import (
+        CodePredictorWrapper,
+        CodePredictorWrapperConfig,
+    )
+    from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni_moe_talker import (
+        Qwen3OmniMoeTalkerForConditionalGeneration as Root,
+    )
+
+    vllm_config = vllm_config_for(folder, Qwen2Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=1))
+    cp_config = Qwen3Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3,
+        intermediate_size=128, vocab_size=32,
+    )  # fmt: skip
+    cp_config.num_code_groups = 4
+    options = CodePredictorWrapperConfig(use_parallel_embedding=True, return_proj_buf=True, sampling_mode="stored")
+    module = CodePredictorWrapper(
+        vllm_config=vllm_config, cp_config=cp_config, wrapper_config=options, talker_hidden_size=64
+    ).eval()
+    root = real_classes.bare(Root, code_predictor=module)
+
+    def allocate() -> None:
+        module._kv_cache_enabled = True  # what a CUDA platform with code_predictor_kv_cache on gives
+        module._ensure_buffers(torch.device("cpu"), torch.float32, 3)
+
+    return Built(
+        root,
+        [allocate],
+        raw_kv=lambda: [] if module._kv_buf is None else [module._kv_buf],
+        raw_owner="code_predictor",
+        how="CodePredictorWrapper real __init__ (Qwen3-Omni's options), bare talker root; _ensure_buffers, 3 rows",
+    )
+
+
 CASES: dict[str, Callable[[Path], Built]] = {
     "mimo": case_mimo,
     "mimo_graph_buffers": case_mimo_graph_buffers,
@@ -292,6 +333,7 @@ CASES: dict[str, Callable[[Path], Built]] = {
     "minicpmo_032": from_real_classes("minicpmo"),
     "fish_speech_fast_ar": lambda folder: fast_ar(folder, "fish_speech"),
     "audio8_fast_ar": lambda folder: fast_ar(folder, "audio8_tts"),
+    "qwen3_code_predictor": qwen3_code_predictor,
 }
 
 
