@@ -31,15 +31,15 @@ how each is built here (cases of kvx_omni_testplugin.corpus):
   tokenizers and a diffusion head from a checkpoint) holding the real VibeVoiceNegativeKV with its pool laid out as
   `allocate` lays it out (`allocate` refuses a CPU); idle only (its forward needs FlashAttention 3).
 
-Beside them, three raw K/V stores of modules that declare nothing (rule 3, kv_exporter/plugin/observe/
-raw_stores.py): `fish_speech_fast_ar` and `audio8_fast_ar` (both releases), each FastAR predictor by its real
-`__init__` (vLLM layers on a real VllmConfig, weights post-processed as vLLM's loader does) under a `bare` root of
-its real slow-AR class, idle and after three forwards; `qwen3_code_predictor` (0.32.0rc1: 0.30.0's has no K/V
-path), Qwen3's fused CodePredictorWrapper
-by its real `__init__` under a `bare` Qwen3-Omni talker root, its CUDA-only K/V path switched on as a CUDA platform
-does, after its real `_ensure_buffers` (the K/V forward itself needs CUDA). Not built: the per-layer stores rule 3
-does not see (fish_speech DAC `KVCache`, personaplex `_RingKV`, moss_tts ring caches, Qwen3-TTS
-`FrameLocalKVCache`).
+Beside them, four raw K/V stores of modules that declare nothing (rule 3, kv_exporter/plugin/observe/raw_stores.py):
+`fish_speech_fast_ar` and `audio8_fast_ar` (both releases), each FastAR predictor by its real `__init__` (vLLM
+layers on a real VllmConfig, weights post-processed as vLLM's loader does) under a `bare` root of its real slow-AR
+class, idle and after three forwards; `qwen3_code_predictor` (0.32.0rc1: 0.30.0's has no K/V path), Qwen3's fused
+CodePredictorWrapper by its real `__init__` under a `bare` Qwen3-Omni talker root, its CUDA-only K/V path switched
+on as a CUDA platform does, after its real `_ensure_buffers` (the K/V forward itself needs CUDA);
+`qwen3_tts_frame_cache` (0.32.0rc1), Qwen3-TTS's talker code predictor by its real `__init__` under a `bare` talker
+root, holding the real FrameLocalKVCache its `_setup_compile` keeps on CUDA with bf16 weights. Not built: the
+per-layer stores rule 3 does not see (fish_speech DAC `KVCache`, personaplex `_RingKV`, moss_tts ring caches).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ RAW_STORES = (
     ("fish_speech_fast_ar", "fast_ar"),
     ("audio8_fast_ar", "fast_ar"),
     ("qwen3_code_predictor", "code_predictor"),
+    ("qwen3_tts_frame_cache", "code_predictor"),
 )
 COMMON = (
     "mimo",
@@ -76,7 +77,7 @@ COMMON = (
 )
 CASES = {
     OMNI_030.version: (*COMMON, "ming_talker"),
-    OMNI_032.version: (*COMMON, "vibevoice_032", "minicpmo_032", "qwen3_code_predictor"),
+    OMNI_032.version: (*COMMON, "vibevoice_032", "minicpmo_032", "qwen3_code_predictor", "qwen3_tts_frame_cache"),
 }
 
 
@@ -177,8 +178,9 @@ def test_a_raw_store_of_a_module_that_declares_nothing_is_its_own_unexplained_to
     corpus: dict[str, dict[str, Any]], case: str, owner: str
 ) -> None:
     """Rule 3: a fast-AR predictor's `_k_cache` / `_v_cache` (allocated by its first forward, regrown for a larger
-    batch, kept between calls) and the fused code predictor's `_kv_buf` are observed under the module that holds
-    them, all unexplained; the buffers beside them (`_embed_buf`, `_proj_buf`, position ids) are not."""
+    batch, kept between calls), the fused code predictor's `_kv_buf` and Qwen3-TTS's FrameLocalKVCache `buffer` are
+    observed under the module that holds them, all unexplained; the buffers beside them (`_embed_buf`, `_proj_buf`,
+    position ids) are not."""
     if case not in corpus:
         pytest.skip(f"{case}'s store is new in vllm-omni 0.32.0rc1")
     result = corpus[case]

@@ -148,6 +148,9 @@ class FastAR(nn.Module):
         self.positions = torch.zeros(LAYERS, BATCH, KV_HEADS, POSITIONS, HEAD_DIM, dtype=torch.int64)  # not floating
         self.per_layer = [torch.empty(BATCH, KV_HEADS, POSITIONS, HEAD_DIM)]  # no layer count: not this rule's
         self.stacked = nn.Parameter(torch.zeros(LAYERS, KV_HEADS, 1, HEAD_DIM))  # a parameter: never
+        # A plain object keeping K and V side by side for every layer (Qwen3-TTS's FrameLocalKVCache), beside the
+        # module it drives (never entered: a module has its own figures).
+        self.frame = SimpleNamespace(buffer=torch.empty(LAYERS, 2, BATCH, KV_HEADS, POSITIONS, HEAD_DIM), model=self)
 
 
 class Talker(nn.Module):
@@ -164,10 +167,10 @@ def test_a_layer_stacked_store_of_a_module_that_declares_nothing_is_its_own_to_t
     root.fast_ar.allocate()
     fast_ar = root.fast_ar
     assert fast_ar.k_store is not None and fast_ar.v_store is not None
-    stores = fast_ar.k_store.untyped_storage().nbytes() + fast_ar.v_store.untyped_storage().nbytes()
+    stores = [fast_ar.k_store, fast_ar.v_store, fast_ar.frame.buffer]
     owners = by_owner(sample())
-    assert (owners["fast_ar"].bytes, set(owners)) == (stores, {"fast_ar"})
-    fast_ar.k_store = fast_ar.v_store = None  # released: let go at the next sample
+    assert (owners["fast_ar"].bytes, set(owners)) == (sum(t.untyped_storage().nbytes() for t in stores), {"fast_ar"})
+    fast_ar.k_store = fast_ar.v_store = fast_ar.frame = None  # released: let go at the next sample
     assert by_owner(sample())["fast_ar"].bytes == 0
 
 

@@ -230,13 +230,13 @@ class Holders:
         torch: Any = sys.modules.get("torch")
         if torch is None:
             return
-        internals = _module_internals(torch)
+        internals, skip = _module_internals(torch), self._skip_types()
         for path, (module_ref, geometry) in self._stores.items():
             module = module_ref()
             if module is None:
                 continue
             pace()
-            for tensor in own_tensors(module, internals, torch.Tensor):
+            for tensor in own_tensors(module, internals, torch.Tensor, skip):
                 if (
                     not isinstance(tensor, torch.nn.Parameter)
                     and store_evidence(tensor, geometry)
@@ -244,13 +244,17 @@ class Holders:
                 ):
                     yield path, tensor
 
+    def _skip_types(self) -> tuple[type, ...]:
+        """What no walk enters: modules, transformers caches, known cache classes, classes, functions, modules."""
+        return (*self._skip, *self._known, type, FunctionType, MethodType, BuiltinFunctionType, ModuleType)
+
     def _state_tensors(
         self, path: str, module: Any, declared: frozenset[Geometry], pace: Callable[[], None]
     ) -> Iterator[Any]:
         torch: Any = sys.modules.get("torch")
         if torch is None or not declared:
             return
-        skip = (*self._skip, *self._known, type, FunctionType, MethodType, BuiltinFunctionType, ModuleType)
+        skip = self._skip_types()
         internals = _module_internals(torch)
         start = [value for name, value in vars(module).items() if name not in internals]
         start.extend(getattr(module, "_buffers", {}).values())

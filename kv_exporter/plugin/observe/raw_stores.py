@@ -3,14 +3,15 @@ layer-stacked tensor a module keeps in its own attributes for the attention its 
 
 A module qualifies when it declares nothing and holds an attention config of the kind `spec_from_hf_config` reads
 (`config.num_hidden_layers`, `num_key_value_heads` or `num_attention_heads`, `head_dim` or `hidden_size /
-num_attention_heads`). A tensor counts when it is one of the module's own attributes or registered buffers (or an
-item of a list or tuple held there), not a parameter, of a floating dtype, and its shape shows that config's K/V: a
-first dimension of the config's layer count (a store for every layer at once), at least four dimensions, a last
-dimension of the head size (K or V alone) or twice it, and a dimension of the KV heads between. vllm-omni's
-fish_speech and audio8 fast-AR `_k_cache` / `_v_cache` ([layers, batch, kv heads, positions, head size]) and
-0.32.0rc1's Qwen3 fused code-predictor `_kv_buf` ([layers, 2, batch, kv heads, positions, head size]) are such
-stores. Per-layer stores (a KVCache module of each layer, ring buffers in plain objects) show no layer count and are
-not counted by this rule. A store is charged to the module that holds it, as undeclared: all of it unexplained.
+num_attention_heads`). A tensor counts when the module holds it itself (an attribute or registered buffer, an item
+of a container held there, or a tensor of a plain object held there: `own_tensors`), not a parameter, of a floating
+dtype, and its shape shows that config's K/V: a first dimension of the config's layer count (a store for every layer
+at once), at least four dimensions, a last dimension of the head size (K or V alone) or twice it, and a dimension of
+the KV heads between. vllm-omni's fish_speech and audio8 fast-AR `_k_cache` / `_v_cache` ([layers, batch, kv heads,
+positions, head size]) and 0.32.0rc1's Qwen3 fused code-predictor `_kv_buf` and Qwen3-TTS FrameLocalKVCache `buffer`
+([layers, 2, batch, kv heads, positions, head size]) are such stores. Per-layer stores (a KVCache module of each
+layer, ring buffers in plain objects) show no layer count and are not counted by this rule. A store is charged to
+the module that holds it, as undeclared: all of it unexplained.
 """
 
 from __future__ import annotations
@@ -60,16 +61,37 @@ def store_evidence(tensor: Any, geometry: ConfigGeometry) -> bool:
     )
 
 
-def own_tensors(module: Any, internals: frozenset[str], tensor_type: type) -> Iterator[Any]:
-    """The tensors `module` holds itself: its attributes (torch's own Module fields aside), its registered buffers,
-    and the items of lists and tuples held there."""
-    values = [value for name, value in vars(module).items() if name not in internals]
-    values.extend(getattr(module, "_buffers", {}).values())
-    for value in values:
+OWN_DEPTH = 2  # module -> attribute -> container or plain object -> tensor (FrameLocalKVCache.buffer: 1)
+
+
+def own_tensors(module: Any, internals: frozenset[str], tensor_type: type, skip: tuple[type, ...]) -> Iterator[Any]:
+    """The tensors `module` holds itself: its attributes (torch's own Module fields and its `config` aside), its
+    registered buffers, and what containers and plain objects held there hold, `OWN_DEPTH` steps down; never
+    through a value of a `skip` type (modules, caches the tracker follows, known cache classes)."""
+    start = [value for name, value in vars(module).items() if name not in internals and name != "config"]
+    start.extend(getattr(module, "_buffers", {}).values())
+    pending = [(value, 0) for value in start]
+    seen: set[int] = set()
+    while pending:
+        value, depth = pending.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
         if isinstance(value, tensor_type):
             yield value
-        elif isinstance(value, (list, tuple)):
-            yield from (item for item in value if isinstance(item, tensor_type))
+        elif depth < OWN_DEPTH:
+            pending.extend((child, depth + 1) for child in _items(value, tensor_type, skip))
+
+
+def _items(value: Any, tensor_type: type, skip: tuple[type, ...]) -> list[Any]:
+    """What a container or plain object holds one step down; nothing for a tensor, a scalar or a `skip` type."""
+    if value is None or isinstance(value, (tensor_type, str, bytes, int, float, bool, *skip)):
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, dict):
+        return list(value.values())
+    return list(vars(value).values()) if hasattr(value, "__dict__") and not isinstance(value, type) else []
 
 
 __all__ = ["ConfigGeometry", "config_geometry", "own_tensors", "store_evidence"]
