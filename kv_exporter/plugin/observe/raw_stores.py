@@ -68,9 +68,13 @@ def own_tensors(module: Any, internals: frozenset[str], tensor_type: type, skip:
     """The tensors `module` holds itself: its attributes (torch's own Module fields and its `config` aside), its
     registered buffers, and what containers and plain objects held there hold, `OWN_DEPTH` steps down; never
     through a value of a `skip` type (modules, caches the tracker follows, known cache classes)."""
-    start = [value for name, value in vars(module).items() if name not in internals and name != "config"]
-    start.extend(getattr(module, "_buffers", {}).values())
-    pending = [(value, 0) for value in start]
+    stop: tuple[type, ...] = (*_SCALARS, *skip)  # most attributes are one of these: the walk ends there
+    pending = [
+        (value, 0)
+        for name, value in vars(module).items()
+        if name not in internals and name != "config" and not isinstance(value, stop)
+    ]
+    pending.extend((value, 0) for value in getattr(module, "_buffers", {}).values() if value is not None)
     seen: set[int] = set()
     while pending:
         value, depth = pending.pop()
@@ -80,12 +84,15 @@ def own_tensors(module: Any, internals: frozenset[str], tensor_type: type, skip:
         if isinstance(value, tensor_type):
             yield value
         elif depth < OWN_DEPTH:
-            pending.extend((child, depth + 1) for child in _items(value, tensor_type, skip))
+            pending.extend((child, depth + 1) for child in _items(value, stop) if not isinstance(child, stop))
 
 
-def _items(value: Any, tensor_type: type, skip: tuple[type, ...]) -> list[Any]:
-    """What a container or plain object holds one step down; nothing for a tensor, a scalar or a `skip` type."""
-    if value is None or isinstance(value, (tensor_type, str, bytes, int, float, bool, *skip)):
+_SCALARS: tuple[type, ...] = (str, bytes, int, float, bool, type(None))
+
+
+def _items(value: Any, stop: tuple[type, ...]) -> list[Any]:
+    """What a container or plain object holds one step down; nothing for a scalar or a `stop` type."""
+    if isinstance(value, stop):
         return []
     if isinstance(value, (list, tuple)):
         return list(value)
