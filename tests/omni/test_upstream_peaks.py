@@ -24,8 +24,9 @@ Cases:
   duplex runtime: the session keeps its EncoderDecoderCache, growing a chunk per step; nothing unexplained.
 - ming_talker: Ming-flash-omni's talker builds a StaticCache per text segment and drops it after: the peak over
   two requests of two segments each is one cache's storage, the sample 0, the declaration explains it.
-- mimo: MiMo-Audio's input local transformer makes and drops a DynamicCache on every call; the root declares only
-  its other transformer's cache, so the input transformer's is its own and all unexplained.
+- mimo: MiMo-Audio's input local transformer makes and drops a DynamicCache on every call; the root (built by its
+  real `__init__`, on a real VllmConfig, its staging buffers registered) declares only its other transformer's
+  cache, so the input transformer's is its own and all unexplained, and the root shows 0.
 """
 
 from __future__ import annotations
@@ -250,4 +251,8 @@ def test_what_the_upstream_code_kept_after_the_steps(run: Run) -> None:
     assert r["mimo"]["creators"] == {"Qwen2Model.forward": len(r["mimo"]["rows_groups"])}  # one per call
     # The declaring roots are on the page with their ceilings and, where they hold nothing, no unexplained bytes.
     assert run.values(UNEXPLAINED, "mimo").get("") == 0 and run.values(CEILING, "mimo").get("", 0) > 0
+    # MiMo's root, built by its real __init__, holds a bf16 staging buffer [100, 1, group_size, hidden] beside its
+    # declaration: not KV, so the root shows nothing held and no peak with no cache of its own alive.
+    assert r["mimo"]["staging_buffer"] == 100 * 4 * 64 * 2
+    assert run.values(HELD, "mimo").get("", 0) == 0 and run.values(PEAK, "mimo").get("", 0) == 0
     assert run.values(CEILING, "qwen3_tts_eager") == {}  # the eager decoder declares nothing

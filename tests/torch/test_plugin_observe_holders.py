@@ -1,5 +1,6 @@
-"""Model-local KV outside transformers caches (plugin/observe/holders.py, rule 1): what a declaring owner holds in its
-own state counts to the byte, and nothing else it holds does. The decoys are what real owners keep beside their KV
+"""Model-local KV outside transformers caches (plugin/observe/holders.py, rules 1 and 3): what a declaring owner holds
+in its own state counts to the byte, and nothing else it holds does; a layer-stacked K/V store of a module that
+declares nothing is that module's, and its other buffers are not. The decoys are what real owners keep beside their KV
 (vllm-omni's VibeVoice root: the pool's int32 block table, the attention layers the pool drives, its config; any
 module: parameters, rotary buffers, submodules with their own state). vllm-omni 0.32's real classes are measured in
 tests/omni/test_real_classes_032.py (rule 1 on VibeVoice, rule 2 on MiniCPM-o)."""
@@ -120,3 +121,63 @@ def test_a_cache_the_owner_keeps_is_the_trackers_and_counted_once() -> None:
     owners = by_owner(sample())
     assert owners[UNATTRIBUTED_OWNER].bytes == measure_cache_bytes(cache).allocated_bytes  # made outside the model
     assert owners[""].bytes == pool_bytes(root)
+
+
+# -- rule 3: raw stores of modules that declare nothing --------------------------------------------------------------
+
+HEADS, POSITIONS, BATCH = 4, 5, 3  # 4 heads to 2 KV heads, as the fast-AR checkpoints
+
+
+class FastAR(nn.Module):
+    """Stands where vllm-omni's fish_speech / audio8 fast-AR predictor stands: its own attention config, and after
+    a forward K and V stores for every layer at once beside buffers that are not KV."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(
+            num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM
+        )
+        self.proj = nn.Linear(HEADS * HEAD_DIM, HEADS * HEAD_DIM)
+        self.k_store: torch.Tensor | None = None
+        self.v_store: torch.Tensor | None = None
+
+    def allocate(self) -> None:
+        self.k_store = torch.empty(LAYERS, BATCH, KV_HEADS, POSITIONS, HEAD_DIM)
+        self.v_store = torch.empty_like(self.k_store)
+        self.hidden = torch.zeros(LAYERS, BATCH, POSITIONS, HEADS * HEAD_DIM)  # hidden states per layer: not KV
+        self.positions = torch.zeros(LAYERS, BATCH, KV_HEADS, POSITIONS, HEAD_DIM, dtype=torch.int64)  # not floating
+        self.per_layer = [torch.empty(BATCH, KV_HEADS, POSITIONS, HEAD_DIM)]  # no layer count: not this rule's
+        self.stacked = nn.Parameter(torch.zeros(LAYERS, KV_HEADS, 1, HEAD_DIM))  # a parameter: never
+        # A plain object keeping K and V side by side for every layer (Qwen3-TTS's FrameLocalKVCache), beside the
+        # module it drives (never entered: a module has its own figures).
+        self.frame = SimpleNamespace(buffer=torch.empty(LAYERS, 2, BATCH, KV_HEADS, POSITIONS, HEAD_DIM), model=self)
+
+
+class Talker(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fast_ar = FastAR()
+
+
+@pytest.mark.usefixtures("observer")
+def test_a_layer_stacked_store_of_a_module_that_declares_nothing_is_its_own_to_the_byte() -> None:
+    root = Talker()
+    observe.attach(root, [], torch.device("cpu"))
+    assert by_owner(sample()).get("fast_ar") is None  # nothing allocated yet
+    root.fast_ar.allocate()
+    fast_ar = root.fast_ar
+    assert fast_ar.k_store is not None and fast_ar.v_store is not None
+    stores = [fast_ar.k_store, fast_ar.v_store, fast_ar.frame.buffer]
+    owners = by_owner(sample())
+    assert (owners["fast_ar"].bytes, set(owners)) == (sum(t.untyped_storage().nbytes() for t in stores), {"fast_ar"})
+    fast_ar.k_store = fast_ar.v_store = fast_ar.frame = None  # released: let go at the next sample
+    assert by_owner(sample())["fast_ar"].bytes == 0
+
+
+@pytest.mark.usefixtures("observer")
+def test_a_declaring_module_is_left_to_rule_1() -> None:
+    root = Talker()
+    root.fast_ar.allocate()
+    # Declared in bfloat16: its float32 stores are no evidence for rule 1, and rule 3 leaves a declaring module alone.
+    observe.attach(root, declarations(owner="fast_ar"), torch.device("cpu"))
+    assert by_owner(sample())["fast_ar"].bytes == 0

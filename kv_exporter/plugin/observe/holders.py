@@ -17,11 +17,14 @@ that live outside the model's module tree. What counts (docs/cache-bytes.md, "Be
    streaming audio encoder sessions) is held in the duplex runtime's request state, and its `slots=True` instances
    cannot be weakly referenced: its buffer tensor is what is followed. Its `StreamingAudioGraphEncoder` (held by the
    thinker, which declares nothing) keeps one static KV input for all its CUDA graphs, captured lazily.
+3. **Raw stores of modules that declare nothing** (`raw_stores.py`): a layer-stacked K/V tensor a module keeps in
+   its own attributes for the attention its own config describes (fish_speech and audio8 fast-AR `_k_cache` /
+   `_v_cache`, Qwen3's fused code-predictor `_kv_buf`), charged to that module, undeclared.
 
-Every tensor either rule finds is followed by the cache tracker's ledger (`Tracker.hold`), as a cache is: each
-storage once across every form, an owner's peak the peak of everything it held together. The state walk runs at
-the sample, in the sampler's slices; rule 2 costs nothing on the step path (its methods run once per page of
-growth): a stored tensor is read as it is stored, while what it replaces still lives (that instant is the peak),
+Every tensor a rule finds is followed by the cache tracker's ledger (`Tracker.hold`), as a cache is: each
+storage once across every form, an owner's peak the peak of everything it held together. The walks of rules 1 and
+3 run at the sample, in the sampler's slices; rule 2 costs nothing on the step path (its methods run once per page
+of growth): a stored tensor is read as it is stored, while what it replaces still lives (that instant is the peak),
 and gives its storage up when it is released.
 """
 
@@ -37,6 +40,7 @@ from typing import Any
 
 from kv_exporter.observation import UNATTRIBUTED_OWNER
 from kv_exporter.plugin.observe.owners import Geometry, ModelMap
+from kv_exporter.plugin.observe.raw_stores import ConfigGeometry, config_geometry, own_tensors, store_evidence
 from kv_exporter.plugin.oncelog import warn_once
 
 STATE_DEPTH = 4  # owner -> attribute -> container or object -> ... -> tensor (VibeVoice: 3)
@@ -100,6 +104,7 @@ class Holders:
         self.tracker: Any = None
         self._model: ModelMap | None = None
         self._owners: dict[str, weakref.ref[Any]] = {}  # declaring path -> its module
+        self._stores: dict[str, tuple[weakref.ref[Any], ConfigGeometry]] = {}  # rule 3: path -> module, its config's
         self._known: tuple[type, ...] = ()  # the known classes found: rule 1 never enters them
         self._skip: tuple[type, ...] = ()  # nor modules, nor transformers caches (set by `attach`)
         self._engine_kv: set[tuple[str, int]] = set()  # (device, data pointer) of the engine's paged KV storages
@@ -185,6 +190,11 @@ class Holders:
             module = _submodule(root, path)
             if module is not None:
                 self._owners[path] = weakref.ref(module)
+        self._stores = {}
+        for path, module in root.named_modules() if root is not None else ():
+            implied = None if path in model.declaring else config_geometry(module)
+            if implied is not None:
+                self._stores[path] = (weakref.ref(module), implied)
         self._skip = (module_type, cache_base) if cache_base is not None else (module_type,)
         waiting, self._waiting = self._waiting, []
         for ref, geometry in waiting:
@@ -195,25 +205,48 @@ class Holders:
     # -- the sample -------------------------------------------------------------------------------------------------
 
     def walk_state(self, pace: Callable[[], None]) -> None:
-        """Hold every tensor rule 1 finds in a declaring owner's state now, and let go of those no longer there;
-        `pace` is called as the walk goes (the sampler's slices)."""
-        model, tracker = self._model, self.tracker
-        if model is None or tracker is None:
+        """Hold every tensor rules 1 and 3 find now, and let go of those no longer there; `pace` is called as the
+        walk goes (the sampler's slices)."""
+        if self._model is None or self.tracker is None:
             return
         found: dict[int, weakref.ref[Any]] = {}
-        for path, module_ref in self._owners.items():
-            module = module_ref()
-            if module is None:
-                continue
-            for tensor in self._state_tensors(path, module, model.declared.get(path, frozenset()), pace):
-                if id(tensor) not in self._state:
-                    tracker.hold(tensor, path, False)
-                found[id(tensor)] = weakref.ref(tensor)
+        for path, tensor in self._found(self._model, pace):
+            if id(tensor) not in self._state and id(tensor) not in found:
+                self.tracker.hold(tensor, path, False)
+            found[id(tensor)] = weakref.ref(tensor)
         for key, ref in self._state.items():
             gone = ref()
             if key not in found and gone is not None:
-                tracker.let_go(gone)
+                self.tracker.let_go(gone)
         self._state = found
+
+    def _found(self, model: ModelMap, pace: Callable[[], None]) -> Iterator[tuple[str, Any]]:
+        """(owner, tensor): rule 1 in each declaring owner's state, then rule 3 in the other modules' own tensors."""
+        for path, module_ref in self._owners.items():
+            module = module_ref()
+            if module is not None:
+                declared = model.declared.get(path, frozenset())
+                yield from ((path, tensor) for tensor in self._state_tensors(path, module, declared, pace))
+        torch: Any = sys.modules.get("torch")
+        if torch is None:
+            return
+        internals, skip = _module_internals(torch), self._skip_types()
+        for path, (module_ref, geometry) in self._stores.items():
+            module = module_ref()
+            if module is None:
+                continue
+            pace()
+            for tensor in own_tensors(module, internals, torch.Tensor, skip):
+                if (
+                    not isinstance(tensor, torch.nn.Parameter)
+                    and store_evidence(tensor, geometry)
+                    and _storage_key(tensor) not in self._engine_kv
+                ):
+                    yield path, tensor
+
+    def _skip_types(self) -> tuple[type, ...]:
+        """What no walk enters: modules, transformers caches, known cache classes, classes, functions, modules."""
+        return (*self._skip, *self._known, type, FunctionType, MethodType, BuiltinFunctionType, ModuleType)
 
     def _state_tensors(
         self, path: str, module: Any, declared: frozenset[Geometry], pace: Callable[[], None]
@@ -221,7 +254,7 @@ class Holders:
         torch: Any = sys.modules.get("torch")
         if torch is None or not declared:
             return
-        skip = (*self._skip, *self._known, type, FunctionType, MethodType, BuiltinFunctionType, ModuleType)
+        skip = self._skip_types()
         internals = _module_internals(torch)
         start = [value for name, value in vars(module).items() if name not in internals]
         start.extend(getattr(module, "_buffers", {}).values())

@@ -41,6 +41,7 @@ from kv_exporter.plugin.hooks import install_post_import
 from kv_exporter.plugin.publish import publish
 from kv_exporter.plugin.settings import HookSettings
 from kvx_omni_testplugin.real_classes import bare
+from kvx_omni_testplugin.vllm_roots import mimo_root
 
 MAX_NUM_SEQS = 4
 # Longer than any run: no sampler sample lands inside the steps. The interval is the one between the load and the
@@ -575,47 +576,20 @@ MIMO_STEPS = [(1, 3), (2, 5), (1, 2)]  # (batch, groups) per call, the largest i
 
 
 def case_mimo(folder: Path) -> Case:
-    """The real apply_input_local_transformer of MiMoAudioLLMForConditionalGeneration: its input_local_transformer
-    (transformers' Qwen2Model, use_cache on by default) declares nothing and builds a DynamicCache on every call."""
+    """The real apply_input_local_transformer of MiMoAudioLLMForConditionalGeneration, built by its real __init__
+    (its staging buffers registered): its input_local_transformer (transformers' Qwen2Model, use_cache on by
+    default) declares nothing and builds a DynamicCache on every call."""
     import torch
-    from vllm_omni.model_executor.models.mimo_audio.config_mimo_audio import MiMoAudioConfig
-    from vllm_omni.model_executor.models.mimo_audio.mimo_audio_llm import (
-        MiMoAudioLLMForConditionalGeneration,
-        MiMoAudioQwen2Model,
-    )
 
-    config = MiMoAudioConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        group_size=4,
-        audio_channels=2,
-        delay_pattern="0-1",
-        speech_vocab_size="17-17",
-        speech_zeroemb_idx="16-16",
-        local_dim=64,
-        local_layers=3,
-        local_attn_heads=4,
-        local_ffn_dim=128,
-        input_local_layers=2,
-        input_full_attention=True,
-    )
-    root = bare(MiMoAudioLLMForConditionalGeneration, config=config)  # the real __init__ builds vLLM layers
-    root.group_size, root.delay_pattern = config.group_size, config.parsed_delay_pattern()
-    root.local_config, root.input_local_config = config.local_config(), config.input_local_config()
-    root.input_local_transformer = MiMoAudioQwen2Model(root.input_local_config).to(torch.bfloat16).eval()
-    root.input_local_transformer.embed_tokens = None
-    root.local_transformer = MiMoAudioQwen2Model(root.local_config).to(torch.bfloat16).eval()
-    root.local_transformer.embed_tokens = None
-    root.local_forward_cg_by_bs = {}
+    root = mimo_root(folder)
+    config = root.config
 
     def call(batch: int, groups: int) -> None:
+        hidden = root.input_local_config.hidden_size
         with torch.no_grad():
-            root.apply_input_local_transformer(torch.randn(batch, groups, config.group_size, 64, dtype=torch.bfloat16))
+            root.apply_input_local_transformer(
+                torch.randn(batch, groups, config.group_size, hidden, dtype=torch.bfloat16)
+            )
 
     local = root.input_local_config
     return Case(
@@ -631,6 +605,8 @@ def case_mimo(folder: Path) -> Case:
             * config.group_size
             * 2,
             "rows_groups": [b * g for b, g in MIMO_STEPS],
+            # the root's bf16 staging buffer for audio embeddings, registered by __init__: not KV
+            "staging_buffer": root._new_audio_emb_buffer.untyped_storage().nbytes(),
         },
     )
 
