@@ -174,6 +174,21 @@ def test_the_peak_is_never_below_what_the_sample_sees() -> None:
     assert found.peak_bytes == found.bytes == storage_bytes([cache]) > 0
 
 
+def test_the_next_interval_s_peak_starts_at_what_was_held_when_it_began() -> None:
+    """Issue 39: after a session ended, the next interval's peak read below what its caches held at its start."""
+    model = build(Qwen2ForCausalLM, full_config(), torch.float32)
+    caches = [DynamicCache() for _ in range(3)]
+    for length, made in zip((5, 7, 9), caches, strict=True):
+        forward(model, made, input_ids=prompt(1, length))
+    del made
+    held = by_owner(sample())[UNATTRIBUTED_OWNER].bytes
+    assert held == storage_bytes(caches) > 0
+    del caches[1:]  # two of the three released within the next interval
+    gc.collect()
+    found = by_owner(sample())[UNATTRIBUTED_OWNER]
+    assert (found.peak_bytes, found.bytes) == (held, storage_bytes(caches))
+
+
 class OwnUpdate(DynamicCache):
     """A cache class defined after observation was installed, whose `update` fills its layers itself, never through
     `Cache.update` (as a model's own cache class may)."""
