@@ -2,12 +2,12 @@
 
 A scrape allocates container objects by the series (label tuples, rows, views) and frees every one of them by its
 reference count: none ends in a cycle (`tests/unit/test_garbage.py`). The collector runs by the count of containers
-allocated and not yet freed, though, and at its default young threshold (700) a scrape of 100,000 series set off ~80
-young collections and a full one every other scrape, which walks every object the sidecar keeps (the placed
-declarations, their frozen families, the manifests): 28% of that scrape's CPU, against 2% at 6,000 series, so the
-cost per series grew with the series (docs/benchmarks.md, section 12). A young threshold of YOUNG_THRESHOLD makes
-that ~5 young collections a scrape and a full one every ~15; the cycles a collection still finds (an engine fetch
-that failed, a reloaded web configuration) wait a few thousand allocations longer.
+allocated and not yet freed, though, and at its default young threshold (700) a scrape of 100,000 series set off
+~80 young collections and a full one every other scrape, which walks every object the sidecar keeps (the placed
+declarations, their frozen families, the manifests): a sixth of that scrape's CPU, against 3% at 6,000 series, so
+the cost per series grew with the series (docs/benchmarks.md, section 12). At YOUNG_THRESHOLD that is ~5 young
+collections a scrape and a full one in a dozen or more; the cycles a collection still finds (an engine fetch that
+failed, a reloaded web configuration) wait a few thousand allocations longer.
 """
 
 from __future__ import annotations
