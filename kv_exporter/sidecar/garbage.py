@@ -6,8 +6,8 @@ allocated and not yet freed, though, and at its default young threshold (700) a 
 ~80 young collections and a full one every other scrape, which walks every object the sidecar keeps (the placed
 declarations, their frozen families, the manifests): a sixth of that scrape's CPU, against 3% at 6,000 series, so
 the cost per series grew with the series (docs/benchmarks.md, section 12). At YOUNG_THRESHOLD that is ~5 young
-collections a scrape and a full one in a dozen or more; the cycles a collection still finds (an engine fetch that
-failed, a reloaded web configuration) wait a few thousand allocations longer.
+collections a scrape and a full one in a dozen or more; cycles made elsewhere in the process wait a few thousand
+allocations longer to be found.
 """
 
 from __future__ import annotations
