@@ -7,13 +7,16 @@ scrape, and no torch (or vLLM) in the sidecar process.
 from __future__ import annotations
 
 import argparse
+import compileall
 import itertools
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench.baseline_server import baseline_argv, equivalent_spec, start_baseline, write_spec
 from bench.benchlib import (
@@ -29,7 +32,7 @@ from bench.benchlib import (
     wait_until_serving,
 )
 from bench.deployment import SCRAPE_LAYOUT, start_deployment, text_page
-from tests.support.constants import SIMULATE_GPU
+from tests.support.constants import REPO, SIMULATE_GPU
 from tests.support.net import free_port
 from tests.support.node_exporter import node_exporter_argv
 
@@ -44,6 +47,8 @@ STARTUP_BASELINE_RATIO = 1.5
 GROWTH_TOLERANCE = 256 << 10
 STEP = 256 << 10  # one jump between two samples at least this big: an allocator step, not a creep
 HEAVY = ("/torch/", "libtorch", "/vllm/", "/vllm_omni/", "/transformers/")
+# What the started processes import from this checkout: the sidecar's package, and the baseline's helper modules.
+CHECKOUT_PACKAGES = ("kv_exporter", "bench", "tests/support")
 
 METHOD = f"""
 Memory: the sidecar of target 1 (8 GPUs x 3 stages x 6 declarations, 24 workers' step records) scraped back to back
@@ -52,27 +57,49 @@ halfway mark (tolerance {GROWTH_TOLERANCE >> 10} KiB for allocator granularity).
 start_http_server process serving the same series, after 1,000 scrapes.
 Start-up: the installed `kv-exporter serve` entry point (one simulated GPU) over the same manifests and records,
 timed from Popen to the first HTTP 200 on /metrics (polled every 2 ms); baseline: the start_http_server process
-the same way, and Debian's prometheus-node-exporter with its default collectors, starts interleaved.
+the same way, and Debian's prometheus-node-exporter with its default collectors, starts interleaved. The checkout's
+modules are byte-compiled first, as an installed package's are (pip compiles on install, the image at build).
 Torch: every file mapped into the sidecar process after the run, checked for torch/vLLM libraries.
 """
 
 
-def serve_argv(folder: Path, port: int) -> list[str]:
-    """The real console script, as a user runs it (the running counts from the workers' step records)."""
-    script = Path(PYTHON).parent / "kv-exporter"
+def serve_argv(folder: Path, port: int, scripts: Path = Path(PYTHON).parent) -> list[str]:
+    """The real console script, as a user runs it (the running counts from the workers' step records); `scripts`: the
+    environment's bin folder."""
+    script = scripts / "kv-exporter"
     argv = [str(script)] if script.exists() else [PYTHON, "-m", "kv_exporter"]
     argv += ["serve", "--manifest-dir", str(folder), *SIMULATE_GPU]
     return [*argv, "--listen-address", f"127.0.0.1:{port}", "--log-level", "warning"]
 
 
-def time_to_first_scrape(kids: Children, argv_for_port: Callable[[int], list[str]], starts: int) -> list[float]:
-    """Seconds from Popen to the first 200, over `starts` fresh processes (each stopped by pid)."""
+# The installed sidecar imports its own package, not this checkout's (which PYTHONPATH would put first).
+WITHOUT_CHECKOUT = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+
+
+def installed_serve(venv: Path, folder: Path, port: int) -> list[str]:
+    return serve_argv(folder, port, venv / "bin")
+
+
+def compile_bytecode() -> None:
+    """Byte-compile what the started processes import from this checkout, as an install does (pip on install, the
+    image at build: deploy/docker/install-sidecar.sh); prometheus_client's, in the environment, already is. Where
+    PYTHONDONTWRITEBYTECODE is set (as in this machine's shells) a checkout is otherwise compiled from source at every
+    start: ~50 ms of the sidecar's start-up, some of the baseline's, that no installed exporter pays (section 12)."""
+    for package in CHECKOUT_PACKAGES:
+        compileall.compile_dir(REPO / package, quiet=1)
+
+
+def time_to_first_scrape(
+    kids: Children, argv_for_port: Callable[[int], list[str]], starts: int, **popen: Any
+) -> list[float]:
+    """Seconds from Popen to the first 200, over `starts` fresh processes (each stopped by pid); `popen`: more
+    arguments for Popen (env, cwd)."""
     samples = []
     for _ in range(starts):
         port = free_port()
         argv = argv_for_port(port)
         started = time.perf_counter()
-        proc = kids.start(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = kids.start(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **popen)
         try:
             samples.append(wait_until_serving("127.0.0.1", port, timeout_s=30) - started)
         finally:
@@ -108,6 +135,13 @@ def main() -> int:
     parser.add_argument("--scrapes", type=int, default=10_000)
     parser.add_argument("--starts", type=int, default=5)
     parser.add_argument("--json-out")
+    parser.add_argument(
+        "--installed",
+        type=Path,
+        metavar="VENV",
+        help="also time start-up from this environment, kv-exporter installed from its wheel as the image installs it "
+        "(deploy/docker/install-sidecar.sh . VENV WHEELS), against the baseline run by the same environment's Python",
+    )
     args = parser.parse_args()
     report = Report("Target 3: footprint (memory over 10,000 scrapes, start-up, no torch)", METHOD)
     report.start()
@@ -124,10 +158,18 @@ def main() -> int:
         ours_start: list[float] = []
         base_start: list[float] = []
         node_start: list[float] = []
+        installed: dict[str, list[float]] = {"ours": [], "baseline": []}
+        compile_bytecode()
         for _ in range(args.starts):  # interleaved, so that load on the machine falls on all three alike
             ours_start += time_to_first_scrape(kids, lambda p: serve_argv(folder, p), 1)
             base_start += time_to_first_scrape(kids, lambda p: baseline_argv(spec_file, p), 1)
             node_start += time_to_first_scrape(kids, lambda p: node_exporter_argv(p, flags=()), 1)
+            if args.installed:
+                installed["ours"] += time_to_first_scrape(kids, lambda p: installed_serve(args.installed, folder, p), 1,
+                                                          env=WITHOUT_CHECKOUT, cwd=folder)  # fmt: skip
+                installed["baseline"] += time_to_first_scrape(
+                    kids, lambda p: [str(args.installed / "bin" / "python"), *baseline_argv(spec_file, p)[1:]], 1
+                )
     final, half = points[-1][1], min(points, key=lambda p: abs(p[0] - args.scrapes // 2))[1]
     growth = final - half
     report.note("RSS after start (MiB)", f"{points[0][1] / MIB:.1f}")
@@ -146,6 +188,11 @@ def main() -> int:
     node_s = summarize([s * 1000 for s in node_start])
     report.stats("start to first scrape: node_exporter", node_s)
     report.ratio("start-up (ours/node_exporter, medians)", ours_s.median, node_s.median)
+    if args.installed:
+        inst_s, inst_base_s = (summarize([s * 1000 for s in installed[arm]]) for arm in ("ours", "baseline"))
+        report.stats(f"start to first scrape: kv-exporter from {args.installed}", inst_s)
+        report.stats(f"start to first scrape: baseline by {args.installed}/bin/python", inst_base_s)
+        report.ratio("start-up installed (ours/baseline, medians)", inst_s.median, inst_base_s.median)
     base_ratio = ours_s.median / base_s.median
     report.check(
         f"start-up within {STARTUP_BASELINE_RATIO:g}x start_http_server's (medians)", f"{base_ratio:.2f} x",

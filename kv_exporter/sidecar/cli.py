@@ -276,11 +276,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from kv_exporter.manifest import ManifestLimits
     from kv_exporter.sidecar.allocator import keep_heaps_returnable
     from kv_exporter.sidecar.collection import Collection, CollectionSettings
+    from kv_exporter.sidecar.garbage import collect_less_often
     from kv_exporter.sidecar.http import serve_in_thread, server_urls
 
     grace_s = args.engine_timeout + SHUTDOWN_MARGIN_S
     stop = StopRequest.install(bound_s=grace_s + STOP_MARGIN_S)
     keep_heaps_returnable()
+    collect_less_often()
     reader: GpuReader | None = None
     if args.simulate_gpu:
         reader = SimulatedGpu(total=args.simulate_gpu[0], used=args.simulate_gpu[1])

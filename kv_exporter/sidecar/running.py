@@ -6,14 +6,15 @@ between two steps is the engine's own scheduling; past it, nothing runs) and the
 
 Records are read with `pread`, two copies at a time (`read_consistent`), never mapped: a mapped file that someone
 truncates would kill the reader with SIGBUS, where a short read costs one worker's figures. A descriptor stays open
-per record (up to `MAX_OPEN`; past that a record is opened for each read) and is opened again when the manifest's
-process is not the record's (a restarted worker replaces both files).
+per record (up to `records_kept_open()`, from the descriptor limit; past that a record is opened for each read) and
+is opened again when the manifest's process is not the record's (a restarted worker replaces both files).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import time
 from collections.abc import Iterable, Sequence
 from enum import Enum
@@ -43,7 +44,9 @@ TORN_AFTER_S = 1.0  # a write this long in progress: its writer died or hangs in
 RETRY_S = 1.0  # how often a missing record is looked for again
 SETTLE_NS = 50_000_000  # past a second's end by this, its bucket is final: the writer's coarse clock lags a tick
 _RECENT_NS, _STALL_NS, _TORN_NS = (int(s * 1e9) for s in (RECENT_S, STALL_AFTER_S, TORN_AFTER_S))
-MAX_OPEN = 512  # descriptors kept open; the server's connections need theirs too
+MAX_OPEN = 512  # descriptors kept open at the least
+# What the rest of the process may hold at once: the server's connections (512 by default), manifests being read.
+OTHER_DESCRIPTORS = 1024
 
 
 class RunningState(str, Enum):
@@ -150,11 +153,24 @@ class _Open:
         self.torn_seq = -1
 
 
-class StepRecords:
-    """The step records of the live manifests, read at each scrape. One reader per collection."""
+def records_kept_open(soft_limit: int | None = None) -> int:
+    """How many records keep their descriptor open: what the soft RLIMIT_NOFILE (`soft_limit`: the process's own)
+    leaves past OTHER_DESCRIPTORS, MAX_OPEN at the least. A record past it is opened, read and closed at every scrape:
+    at 1,667 workers with 512 kept open, step records cost twice the CPU a worker that 100 workers cost."""
+    if soft_limit is None:
+        soft_limit, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft_limit == resource.RLIM_INFINITY:
+        return 1 << 30
+    return max(MAX_OPEN, soft_limit - OTHER_DESCRIPTORS)
 
-    def __init__(self, window_s: float = DEFAULT_WINDOW_S) -> None:
+
+class StepRecords:
+    """The step records of the live manifests, read at each scrape. One reader per collection; `kept_open`: how many
+    records keep a descriptor (default `records_kept_open()`)."""
+
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S, kept_open: int | None = None) -> None:
         self.window_ns = int(window_s * 1e9)
+        self.kept_open = records_kept_open() if kept_open is None else kept_open
         self._open: dict[str, _Open] = {}  # manifest path -> its record
         self._missing: dict[str, float] = {}  # manifest path -> when its record was last looked for
         self._problems: dict[str, RunningState] = {}  # the last problem logged per manifest path
@@ -204,7 +220,7 @@ class StepRecords:
         fd = _open(record_path)
         if fd is None:
             return None
-        if len(self._open) >= MAX_OPEN:  # read through a descriptor opened each time
+        if len(self._open) >= self.kept_open:  # read through a descriptor opened each time
             os.close(fd)
             fd = None
         found = self._open[path] = _Open(record_path, fd)

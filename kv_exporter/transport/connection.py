@@ -29,7 +29,6 @@ from kv_exporter.transport.request_head import (
     head_length,
     parse_head,
 )
-from kv_exporter.web.tls import peer_allowed
 
 log = logging.getLogger(__name__)
 
@@ -171,11 +170,14 @@ class Connection(asyncio.BufferedProtocol):
             self.host.busy(self)
             self._send((self._refusal,), close=True)
             return
-        if self._allowed_sans is not None and not peer_allowed(transport.get_extra_info("peercert"),
-                                                                self._allowed_sans):  # fmt: skip
-            log.debug("TLS client certificate carries none of client_allowed_sans")
-            self.abort()
-            return
+        if self._allowed_sans is not None:
+            # Only a TLS port with client_allowed_sans gets here: web.tls stays off the plain serving path's start-up.
+            from kv_exporter.web.tls import peer_allowed
+
+            if not peer_allowed(transport.get_extra_info("peercert"), self._allowed_sans):
+                log.debug("TLS client certificate carries none of client_allowed_sans")
+                self.abort()
+                return
         self.state = State.HEAD
         self._tls = transport.get_extra_info("sslcontext") is not None
         if self._tls:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
 import threading
 import time
 from dataclasses import replace
@@ -23,6 +24,8 @@ from kv_exporter.sidecar.records import GpuResult, ManifestEntry, PageResult
 from kv_exporter.sidecar.report import run_report
 from kv_exporter.sidecar.running import (
     ABSENT,
+    MAX_OPEN,
+    OTHER_DESCRIPTORS,
     RECENT_S,
     STALL_AFTER_S,
     Running,
@@ -31,6 +34,7 @@ from kv_exporter.sidecar.running import (
     engine_running,
     engines_running,
     judge,
+    records_kept_open,
 )
 from kv_exporter.sidecar.snapshot import WORKERS, Snapshot, build_snapshot
 from kv_exporter.steprecord import (
@@ -416,3 +420,22 @@ def test_the_report_shows_what_each_worker_runs(tmp_path: Path) -> None:
     document, _ = run_report(str(tmp_path), None, True)
     [reported] = json.loads(document)["manifests"]
     assert reported["running"] == {"state": "stepping", "now": 3, "most": 7, "window_s": 15.0}
+
+
+def test_records_past_those_kept_open_are_read_through_a_descriptor_opened_each_time(tmp_path: Path) -> None:
+    workers = [worker(tmp_path, engine=replace(reference_manifest(QWEN3_TTS).engine, tp_rank=rank)) for rank in (0, 1)]
+    for count, (entry, path) in enumerate(workers, 3):
+        record_file(path, entry.manifest.process, (count, True))  # type: ignore[union-attr]
+    records = StepRecords(kept_open=1)
+    try:
+        for _ in range(2):
+            assert [records.read([entry for entry, _ in workers])[e.path].latest for e, _ in workers] == [3, 4]
+            assert [found.fd is not None for found in records._open.values()] == [True, False]
+    finally:
+        records.close()
+
+
+def test_as_many_records_are_kept_open_as_the_descriptor_limit_leaves() -> None:
+    assert records_kept_open(1024) == MAX_OPEN  # the usual default soft limit: at the least
+    assert records_kept_open(20_000) == 20_000 - OTHER_DESCRIPTORS
+    assert records_kept_open(resource.RLIM_INFINITY) >= 1 << 20
