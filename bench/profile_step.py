@@ -24,7 +24,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -36,13 +36,12 @@ from transformers import DynamicCache, Qwen2Config, Qwen2Model
 from bench.benchlib import Report
 from kv_exporter.plugin import observe
 from kv_exporter.plugin.hooks import install_post_import
-from kv_exporter.plugin.observe import registry
+from kv_exporter.plugin.observe import wrappers
 from kv_exporter.plugin.settings import HookSettings
 from tests.engine.server import MAX_NUM_SEQS
 from tests.engine.testplugin.kvx_testplugin import geometry as g
 
 SECTIONS = ("new", "fill", "batch", "copy", "release")
-HOOKS = ("track", "release", "mark", "catch_up")
 
 
 class InStep(nn.Module):
@@ -91,26 +90,6 @@ class InStep(nn.Module):
             caches.clear()
 
 
-def switch() -> Callable[[bool], None]:
-    """Turns the installed hooks on or off between two steps, as the decode benchmark's worker does."""
-    installed = observe._observer.registry
-    on = {name: getattr(registry._Hooks, name) for name in HOOKS}
-    methods = [
-        (klass, name, method, getattr(method, registry.PATCHED_MARK))
-        for klass in list(installed._wrapped)
-        for name, method in list(vars(klass).items())
-        if callable(getattr(method, registry.PATCHED_MARK, None))
-    ]
-
-    def apply(hooked: bool) -> None:
-        for name in HOOKS:
-            setattr(registry._Hooks, name, on[name] if hooked else None)
-        for klass, name, wrapped, original in methods:
-            setattr(klass, name, wrapped if hooked else original)
-
-    return apply
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=1500)
@@ -124,7 +103,8 @@ def main() -> int:
     settings = HookSettings(False, Path("/nonexistent"), True, "auto", observe_interval_s=1.0)
     install_post_import(observe.patches(settings))
     observe.attach(work, [], torch.device("cpu"))  # the worker's model is known: caches are named by their frames
-    apply = switch()
+    installed = observe._observer.registry
+    apply = wrappers.step_switch(installed, installed._wrapped)  # as the decode benchmark's worker switches
     for _ in range(50):
         work(args.running)
     spent: dict[bool, dict[str, list[int]]] = {arm: collections.defaultdict(list) for arm in (True, False)}

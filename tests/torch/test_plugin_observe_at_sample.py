@@ -14,7 +14,7 @@ from transformers import DynamicCache, MistralForCausalLM, Qwen2ForCausalLM
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kv_exporter.plugin import observe
-from kv_exporter.plugin.observe.registry import PATCHED_MARK
+from kv_exporter.plugin.observe.wrappers import is_hook
 from tests.support.cache_models import full_config, sliding_config
 from tests.support.observing import by_owner, observer_at_sample, sample
 from tests.torch.test_plugin_observe_peak import Decoder, Helper, Parent, Probe, parent_declaration, storage_bytes
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("observer_at_sample")
 def test_no_cache_method_is_hooked_and_the_sample_says_the_peak_is_not_followed() -> None:
     DynamicCache()  # the first instance of a class wraps its methods where peaks are followed
     for cls, name in ((Cache, "update"), (DynamicCache, "crop"), (DynamicLayer, "update")):
-        assert not hasattr(vars(cls).get(name), PATCHED_MARK), (cls, name)
+        assert not is_hook(vars(cls).get(name)), (cls, name)
     assert sample().peaks_followed is False
 
 

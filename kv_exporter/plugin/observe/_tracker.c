@@ -1471,6 +1471,127 @@ static PyTypeObject TrackerType = {
     .tp_members = tracker_members,
 };
 
+/* -- the update hook: a cache class's `update`, then its cache marked ---------------------------------------- */
+/* Why C: between a forward's kernels a Python wrapper's frame cost ~2 us an update, about half of what the hooks
+ * added to a decode step (docs/benchmarks.md). An `UpdateHook` is what the interpreter calls for `cache.update(...)`:
+ * a method descriptor (Py_TPFLAGS_METHOD_DESCRIPTOR), so the call's method load hands it the instance unbound, and
+ * it calls the original with the same arguments, untouched (vectorcall), then marks the cache. Every other access
+ * binds through its Python subclass's `__get__` (wrappers.py), which gives the Python wrapper: what introspection,
+ * `super()`, a bound method kept for later and dynamo see is exactly that wrapper. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *original; /* the class's own `update` */
+    PyObject *wrapper;  /* the Python wrapper every other access gets */
+    vectorcallfunc vectorcall;
+} UpdateHook;
+
+static Tracker *hook_tracker; /* where update hooks mark; NULL: nowhere */
+
+static PyObject *update_hook_call(UpdateHook *h, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PyObject *result = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+    Tracker *t = hook_tracker;
+    if (result != NULL && t != NULL && PyVectorcall_NARGS(nargsf) > 0) {
+        Py_INCREF(t); /* a catch-up runs Python: the hooks may be retargeted meanwhile */
+        Py_DECREF(tracker_mark(t, args[0])); /* returns None, never fails */
+        Py_DECREF(t);
+    }
+    return result;
+}
+
+static int update_hook_init(UpdateHook *h, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"original", "wrapper", NULL};
+    PyObject *original, *wrapper;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO:UpdateHook", names, &original, &wrapper))
+        return -1;
+    if (!PyCallable_Check(original) || !PyCallable_Check(wrapper)) {
+        PyErr_SetString(PyExc_TypeError, "UpdateHook takes two callables");
+        return -1;
+    }
+    Py_XSETREF(h->original, Py_NewRef(original));
+    Py_XSETREF(h->wrapper, Py_NewRef(wrapper));
+    h->vectorcall = (vectorcallfunc)update_hook_call;
+    return 0;
+}
+
+static int update_hook_traverse(UpdateHook *h, visitproc visit, void *arg) {
+    Py_VISIT(h->original);
+    Py_VISIT(h->wrapper);
+    return 0;
+}
+
+static int update_hook_clear(UpdateHook *h) {
+    Py_CLEAR(h->original);
+    Py_CLEAR(h->wrapper);
+    return 0;
+}
+
+static void update_hook_dealloc(UpdateHook *h) { /* a subclass's instances: CPython releases their type */
+    PyObject_GC_UnTrack(h);
+    update_hook_clear(h);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+static PyMemberDef update_hook_members[] = {
+    {"original", T_OBJECT, offsetof(UpdateHook, original), READONLY, "the class's own `update`"},
+    {"wrapper", T_OBJECT, offsetof(UpdateHook, wrapper), READONLY, "the Python wrapper every other access gets"},
+    {NULL},
+};
+
+static PyTypeObject UpdateHookType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kv_exporter.plugin.observe._tracker.UpdateHook",
+    .tp_basicsize = sizeof(UpdateHook),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
+                Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_doc = "UpdateHook(original, wrapper): `cache.update(...)` calls `original`, then marks the cache; a subclass "
+              "binds every other access (`__get__`).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)update_hook_init,
+    .tp_traverse = (traverseproc)update_hook_traverse,
+    .tp_clear = (inquiry)update_hook_clear,
+    .tp_dealloc = (destructor)update_hook_dealloc,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(UpdateHook, vectorcall),
+    .tp_members = update_hook_members,
+};
+
+PyDoc_STRVAR(mark_updates_into_doc, "mark_updates_into(tracker)\n--\n\nWhere update hooks mark from now on (None: "
+                                    "nowhere).");
+
+static PyObject *mark_updates_into(PyObject *Py_UNUSED(module), PyObject *tracker) {
+    if (tracker != Py_None && !PyObject_TypeCheck(tracker, &TrackerType)) {
+        PyErr_SetString(PyExc_TypeError, "mark_updates_into takes a Tracker or None");
+        return NULL;
+    }
+    Tracker *old = hook_tracker;
+    hook_tracker = tracker == Py_None ? NULL : (Tracker *)Py_NewRef(tracker);
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(calls_unbound_doc, "calls_unbound(cls)\n--\n\nLet the interpreter hand `cls` (a subclass of UpdateHook "
+                                "that binds in Python) the instance unbound at a call's method load, as its base "
+                                "does: CPython keeps the flags that say so from a class that defines `__get__`.");
+
+static PyObject *calls_unbound(PyObject *Py_UNUSED(module), PyObject *cls) {
+    if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, &UpdateHookType) ||
+        ((PyTypeObject *)cls)->tp_call != UpdateHookType.tp_call) {
+        PyErr_SetString(PyExc_TypeError, "calls_unbound takes a subclass of UpdateHook keeping its call");
+        return NULL;
+    }
+    PyTypeObject *type = (PyTypeObject *)cls;
+    type->tp_vectorcall_offset = UpdateHookType.tp_vectorcall_offset;
+    type->tp_flags |= Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR;
+    PyType_Modified(type);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_functions[] = {
+    {"mark_updates_into", mark_updates_into, METH_O, mark_updates_into_doc},
+    {"calls_unbound", calls_unbound, METH_O, calls_unbound_doc},
+    {NULL},
+};
+
 /* -- the module ------------------------------------------------------------------------------------------------------ */
 
 static int intern_all(void) {
@@ -1506,16 +1627,19 @@ static struct PyModuleDef tracker_module = {
     .m_name = "kv_exporter.plugin.observe._tracker",
     .m_doc = "The live transformers caches of this process and their owners' storage ledger (the per-step part).",
     .m_size = -1,
+    .m_methods = module_functions,
 };
 
 PyMODINIT_FUNC PyInit__tracker(void) {
-    if (intern_all() < 0 || PyType_Ready(&EntryType) < 0 || PyType_Ready(&TrackerType) < 0)
+    if (intern_all() < 0 || PyType_Ready(&EntryType) < 0 || PyType_Ready(&TrackerType) < 0 ||
+        PyType_Ready(&UpdateHookType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&tracker_module);
     if (module == NULL)
         return NULL;
     if (PyModule_AddObject(module, "Entry", Py_NewRef((PyObject *)&EntryType)) < 0 ||
-        PyModule_AddObject(module, "Tracker", Py_NewRef((PyObject *)&TrackerType)) < 0) {
+        PyModule_AddObject(module, "Tracker", Py_NewRef((PyObject *)&TrackerType)) < 0 ||
+        PyModule_AddObject(module, "UpdateHook", Py_NewRef((PyObject *)&UpdateHookType)) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -12,21 +12,18 @@ change what a cache's layers hold (`update` and `peaks.RESHAPING_METHODS`, on th
 defines its own, as it is first seen): a cache update marks its cache, a reshaping method has the marked caches read
 first. Where it is not, nothing but the creation and the release is hooked.
 
-A wrapper never changes what a call means: it takes `*args, **kwargs` and hands them on untouched, so the original
-accepts and rejects exactly what it would (same exception, same message). Only plain functions are wrapped (a
+A wrapper never changes what a call means (wrappers.py). Only plain functions are wrapped (a
 `staticmethod`, `classmethod`, `functools.partial`, callable object or builtin binds differently, so a function in its
 place would change the call): a class holding one of those where a wrapper would go is not followed, and its caches are
 counted as such (`UnreadableReason.NOT_FOLLOWED`), costing that class only.
 
-The hooks on the step path are thin Python functions (dynamo traces them, and must be able to step over them while
-it compiles) that call the tracker. Everything the tracker cannot decide fast it asks the registry, its `delegate`:
-a frame's `self` where several modules share one method, the modules on a stack before the model is known, a
-declaring ancestor's geometry at a cache's first storage, a class first seen.
+The hooks (wrappers.py) call the tracker. Everything the tracker cannot decide fast it asks the registry, its
+`delegate`: a frame's `self` where several modules share one method, the modules on a stack before the model is
+known, a declaring ancestor's geometry at a cache's first storage, a class first seen.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -39,16 +36,16 @@ from kv_exporter.plugin.observe.peaks import GROWING_LAYERS, RESHAPING_METHODS, 
 from kv_exporter.plugin.oncelog import warn_once
 
 try:
+    from kv_exporter.plugin.observe import wrappers
     from kv_exporter.plugin.observe._tracker import Entry, Tracker
 except ImportError as exc:  # built without a C compiler: observation says so, the hook works on
-    Entry = Tracker = None  # type: ignore[assignment,misc]
+    Entry = Tracker = wrappers = None  # type: ignore[assignment,misc]
     _NOT_BUILT = f"kv-exporter's cache tracker (a C extension) is not built for this Python ({exc})"
 else:
     _NOT_BUILT = ""
 
-__all__ = ["PATCHED_MARK", "Entry", "Figures", "Registry"]
+__all__ = ["Entry", "Figures", "Registry"]
 
-PATCHED_MARK = "__kv_exporter_observe__"
 FINALIZER = "__del__"
 LAYER_BASE = "CacheLayerMixin"  # the cache module's layer base class (transformers 4.56 and later)
 # The tracker's reason codes, from 1 (0: readable), in _tracker.c's order.
@@ -206,14 +203,9 @@ class Registry:
         self.tracker.follows_peaks = self._follows = follow_peaks
         self._stack_modules = StackModules(module_type)
         own_new = cache_base.__dict__.get("__new__")
-        if not hasattr(getattr(own_new, "__func__", own_new), PATCHED_MARK):
-            cache_base.__new__ = staticmethod(_tracking_new(cache_base, own_new))  # type: ignore[method-assign]
-        _Hooks.registry = self
-        _Hooks.track = self.tracker.track
-        _Hooks.release = self.tracker.release
-        _Hooks.mark = self.tracker.mark if follow_peaks else None
-        _Hooks.catch_up = self.tracker.catch_up if follow_peaks else None
-        _Hooks.is_compiling = staticmethod(_compiling_test())
+        if not wrappers.is_hook(getattr(own_new, "__func__", own_new)):
+            cache_base.__new__ = staticmethod(wrappers.tracking_new(cache_base, own_new))  # type: ignore[method-assign]
+        wrappers.Hooks.report_to(self, self.tracker, follow_peaks)
         self.installed_on = cache_base
         module = sys.modules.get(cache_base.__module__)
         growing = (getattr(module, name, None) for name in GROWING_LAYERS)
@@ -244,14 +236,14 @@ class Registry:
             for name in self._hooked_names(is_cache):
                 method = vars(klass).get(name)
                 growing = name == UPDATE_METHOD and klass in self._growing
-                if method is None or hasattr(method, PATCHED_MARK) or growing:
+                if method is None or wrappers.is_hook(method) or growing:
                     continue
                 if not isinstance(method, FunctionType):
                     self._exotic.add(klass)
                     continue
                 setattr(klass, name, self._wrapper(name, method, is_cache))
             if klass is cache_base and FINALIZER not in vars(klass):
-                setattr(klass, FINALIZER, _finalizing(None))
+                setattr(klass, FINALIZER, wrappers.finalizing(None))
         self._wrapped.add(cls)
         if is_cache and any(klass in self._exotic for klass in cls.__mro__):
             self._unfollowed.add(cls)
@@ -270,21 +262,21 @@ class Registry:
     @staticmethod
     def _wrapper(name: str, method: FunctionType, is_cache: bool) -> Callable[..., Any]:
         if name == FINALIZER:
-            return _finalizing(method)
+            return wrappers.finalizing(method)
         if not is_cache:
-            return _falling(method, marks=False)
-        return _marking(method) if name == UPDATE_METHOD else _falling(method, marks=True)
+            return wrappers.falling(method, marks=False)
+        return wrappers.marking(method) if name == UPDATE_METHOD else wrappers.falling(method, marks=True)
 
     def detach(self) -> None:
         """Stop tracking into this registry (tests, benchmarks). The content hooks go; the `__new__` and the base
         class's finalizer stay (tracking nowhere): CPython cannot give a class back the `object.__new__` it
         inherited once it has had its own (deleting it leaves a slot that refuses arguments)."""
         self.installed_on = None
-        if _Hooks.registry is self:
-            _Hooks.registry = _Hooks.track = _Hooks.release = _Hooks.mark = _Hooks.catch_up = None
+        if wrappers is not None and wrappers.Hooks.registry is self:
+            wrappers.Hooks.report_to(None, None, False)
             for klass in self._wrapped:
                 for name, method in list(vars(klass).items()):
-                    original = getattr(method, PATCHED_MARK, None)
+                    original = wrappers.original_of(method)
                     if name in (UPDATE_METHOD, *RESHAPING_METHODS, FINALIZER) and original is not None:
                         setattr(klass, name, original)
         self._wrapped.clear()
@@ -305,96 +297,6 @@ def _served(tracker: Any, asked: int) -> bool:
     return True
 
 
-class _Hooks:
-    """Where the hooks report: class state, not closure cells (dynamo wraps a traced function's cells when it inlines
-    it, and cannot wrap a tracker; state it never loads while tracing costs nothing). None: not tracking (detached,
-    or that part not followed)."""
-
-    registry: Registry | None = None
-    track: Callable[[object], None] | None = None
-    release: Callable[[object], None] | None = None
-    mark: Callable[[object], None] | None = None
-    catch_up: Callable[[], None] | None = None
-    is_compiling: Callable[[], bool] = staticmethod(lambda: False)
-
-
-def _tracking_new(cache_base: type[Any], own_new: Any) -> Any:
-    """The `__new__` to put on `cache_base`: create the instance as before, then track it, never raising."""
-    original = getattr(own_new, "__func__", own_new)  # a `__new__` the class defines itself, else None
-    object_new = object.__new__
-
-    def __new__(cls: type[Any], *args: Any, **kwargs: Any) -> Any:
-        if original is not None:
-            instance = original(cls, *args, **kwargs)
-        else:
-            upstream = super(cache_base, cls).__new__
-            # object.__new__ refuses arguments once a class overrides __new__; __init__ takes them.
-            instance = object_new(cls) if upstream is object_new else upstream(cls, *args, **kwargs)
-        track = _Hooks.track
-        if track is not None and not _Hooks.is_compiling():
-            try:
-                track(instance)  # the tracker reads this frame's caller: the code that made the cache
-            except Exception as exc:
-                registry = _Hooks.registry
-                if registry is not None:
-                    registry.track_failed(instance, exc)
-        return instance
-
-    setattr(__new__, PATCHED_MARK, True)
-    return __new__
-
-
-def _marking(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A cache's `update`, then the cache marked: what it holds may have grown (read at the next catch-up). Steps
-    aside while dynamo traces (as `__new__` does: what compiled code holds is seen at the next sample)."""
-
-    @functools.wraps(method)
-    def update(*args: Any, **kwargs: Any) -> Any:
-        result = method(*args, **kwargs)
-        mark = _Hooks.mark
-        if mark is not None and args and not _Hooks.is_compiling():
-            mark(args[0])
-        return result
-
-    setattr(update, PATCHED_MARK, method)
-    return update
-
-
-def _falling(method: Callable[..., Any], marks: bool) -> Callable[..., Any]:
-    """A method after which what a cache (or a layer's cache) holds may be less: the marked caches are read first,
-    so the instant before it is counted; a cache's own method then marks it (its new contents are read lazily)."""
-
-    @functools.wraps(method)
-    def falling(*args: Any, **kwargs: Any) -> Any:
-        catch_up, mark = _Hooks.catch_up, _Hooks.mark
-        if catch_up is None or mark is None or _Hooks.is_compiling():
-            return method(*args, **kwargs)
-        catch_up()  # never raises: the tracker counts its failures
-        result = method(*args, **kwargs)
-        if marks and args:
-            mark(args[0])
-        return result
-
-    setattr(falling, PATCHED_MARK, method)
-    return falling
-
-
-def _finalizing(method: Callable[..., Any] | None) -> Callable[..., Any]:
-    """A cache class's finalizer: the tracker reads what the cache held last and lets it go, then the class's own
-    `__del__` (if it has one) runs as it would have."""
-
-    def __del__(*args: Any, **kwargs: Any) -> Any:
-        release = _Hooks.release
-        if release is not None and args:
-            release(args[0])  # never raises
-        return None if method is None else method(*args, **kwargs)
-
-    if method is not None:
-        functools.update_wrapper(__del__, method)
-    setattr(__del__, PATCHED_MARK, method)
-    return __del__
-
-
 def _shape(cache: object, tensor: Any) -> Shape | None:
     """A cache's shape from its layer list and a K or V tensor shaped [batch, heads, positions, head size]."""
     state = vars(cache)  # as the tracker reads a cache: its instance dictionary, no property of its class
@@ -405,14 +307,3 @@ def _shape(cache: object, tensor: Any) -> Shape | None:
     dtype = str(tensor.dtype).removeprefix("torch.")
     growing = state.get("layer_class_to_replicate") is not None
     return Shape(Geometry(len(layers), int(shape[1]), int(shape[3]), dtype), growing)
-
-
-def _compiling_test() -> Callable[[], bool]:
-    """torch.compiler.is_dynamo_compiling (else is_compiling, before torch 2.3): True while dynamo traces, which
-    cannot trace the tracker (it reads the interpreter's frames) and would break a fullgraph compile of code that
-    makes a cache. The dynamo-only test is one Python call, is_compiling three: it runs on every cache update. The
-    price: a cache made inside compiled code and kept after it goes uncounted (dynamo recreates it at run time with
-    `object.__new__`, past this one)."""
-    compiler = getattr(sys.modules.get("torch"), "compiler", None)
-    test = getattr(compiler, "is_dynamo_compiling", None) or getattr(compiler, "is_compiling", None)
-    return test if callable(test) else lambda: False
