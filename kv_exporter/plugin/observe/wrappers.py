@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kv_exporter.plugin.observe import _tracker
+from kv_exporter.plugin.observe._tracker import UpdateHook, calls_unbound, mark_updates_into
 
 PATCHED_MARK = "__kv_exporter_observe__"
 
@@ -41,10 +41,10 @@ class Hooks:
         cls.mark = tracker.mark if tracker is not None and follow_peaks else None
         cls.catch_up = tracker.catch_up if tracker is not None and follow_peaks else None
         cls.is_compiling = staticmethod(_compiling_test())
-        _tracker.mark_updates_into(tracker if follow_peaks else None)
+        mark_updates_into(tracker if follow_peaks else None)
 
 
-class _UpdateHook(_tracker.UpdateHook):
+class _UpdateHook(UpdateHook):
     """A cache class's `update` (see the module's docstring): called by a method load, the C call; otherwise bound
     here, as a function binds, to the Python wrapper."""
 
@@ -54,7 +54,7 @@ class _UpdateHook(_tracker.UpdateHook):
         return self.wrapper.__get__(instance, owner)
 
 
-_tracker.calls_unbound(_UpdateHook)
+calls_unbound(_UpdateHook)
 
 
 def is_hook(method: object) -> bool:
