@@ -36,7 +36,6 @@ from transformers import DynamicCache, Qwen2Config, Qwen2Model
 from bench.benchlib import Report
 from kv_exporter.plugin import observe
 from kv_exporter.plugin.hooks import install_post_import
-from kv_exporter.plugin.observe import wrappers
 from kv_exporter.plugin.settings import HookSettings
 from tests.engine.server import MAX_NUM_SEQS
 from tests.engine.testplugin.kvx_testplugin import geometry as g
@@ -103,8 +102,7 @@ def main() -> int:
     settings = HookSettings(False, Path("/nonexistent"), True, "auto", observe_interval_s=1.0)
     install_post_import(observe.patches(settings))
     observe.attach(work, [], torch.device("cpu"))  # the worker's model is known: caches are named by their frames
-    installed = observe._observer.registry
-    apply = wrappers.step_switch(installed, installed._wrapped)  # as the decode benchmark's worker switches
+    apply = observe._observer.registry.step_switch()  # as the decode benchmark's worker switches
     for _ in range(50):
         work(args.running)
     spent: dict[bool, dict[str, list[int]]] = {arm: collections.defaultdict(list) for arm in (True, False)}

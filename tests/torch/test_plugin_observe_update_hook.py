@@ -16,7 +16,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from kv_exporter.plugin import observe
-from kv_exporter.plugin.observe import wrappers
 from kv_exporter.plugin.observe._tracker import UpdateHook
 from tests.support.observing import observer
 
@@ -109,7 +108,7 @@ def test_update_reads_as_the_original_wherever_it_is_read() -> None:
 
 def test_switched_off_update_is_the_original_and_marks_nothing() -> None:
     found, registry = hook(), observe._observer.registry
-    switch = wrappers.step_switch(registry, registry._wrapped)
+    switch = registry.step_switch()
     cache, tracker = DynamicCache(), registry.tracker
     switch(False)
     try:

@@ -267,6 +267,24 @@ class Registry:
             return wrappers.falling(method, marks=False)
         return wrappers.marking(method) if name == UPDATE_METHOD else wrappers.falling(method, marks=True)
 
+    def step_switch(self) -> Callable[[bool], None]:
+        """Turns the step-path hooks off and on between two steps, as the decode benchmarks compare them: off, the hooks
+        report nowhere and every wrapped method is its original again (the cache base's own `__new__` and finalizer
+        stay, tracking nowhere)."""
+        methods = [
+            (klass, name, method, wrappers.original_of(method))
+            for klass in list(self._wrapped)
+            for name, method in list(vars(klass).items())
+            if callable(wrappers.original_of(method))
+        ]
+
+        def apply(on: bool) -> None:
+            wrappers.Hooks.report_to(self if on else None, self.tracker if on else None, self._follows)
+            for klass, name, wrapped, original in methods:
+                setattr(klass, name, wrapped if on else original)
+
+        return apply
+
     def detach(self) -> None:
         """Stop tracking into this registry (tests, benchmarks). The content hooks go; the `__new__` and the base
         class's finalizer stay (tracking nowhere): CPython cannot give a class back the `object.__new__` it

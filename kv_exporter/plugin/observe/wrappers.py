@@ -146,26 +146,6 @@ def finalizing(method: Callable[..., Any] | None) -> Callable[..., Any]:
     return __del__
 
 
-def step_switch(registry: Any, classes: set[type]) -> Callable[[bool], None]:
-    """Turns the step-path hooks off and on between two steps, as the decode benchmarks compare them: off, the hooks
-    report nowhere and every wrapped method of `classes` is its original again (a cache class's own `__new__` and
-    finalizer stay, tracking nowhere)."""
-    tracker, follow = registry.tracker, registry.follows_peaks
-    methods = [
-        (klass, name, method, original_of(method))
-        for klass in list(classes)
-        for name, method in list(vars(klass).items())
-        if callable(original_of(method))
-    ]
-
-    def apply(on: bool) -> None:
-        Hooks.report_to(registry if on else None, tracker if on else None, follow)
-        for klass, name, wrapped, original in methods:
-            setattr(klass, name, wrapped if on else original)
-
-    return apply
-
-
 def _compiling_test() -> Callable[[], bool]:
     """torch.compiler.is_dynamo_compiling (else is_compiling, before torch 2.3): True while dynamo traces, which
     cannot trace the tracker (it reads the interpreter's frames) and would break a fullgraph compile of code that

@@ -30,7 +30,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from kv_exporter.observation import Observation
 from kv_exporter.plugin import observe
 from kv_exporter.plugin._steps import Record, StepWrapper
-from kv_exporter.plugin.observe import registry, wrappers
+from kv_exporter.plugin.observe import registry
 from kv_exporter.steprecord import new_record
 from kvx_testplugin.geometry import CAPTURE_SIZES
 from kvx_testplugin.model import LateOwner, record
@@ -81,7 +81,7 @@ class StepArms:
     """Steps in adjacent pairs, one with the hook's step-path work on and one off in random order, each timed around
     the worker's call of its runner (`self.model_runner.execute_model`, as vLLM's worker makes it).
 
-    Off: the tracker's hooks report nowhere (`wrappers.step_switch`) and every wrapped cache or layer method is
+    Off: the tracker's hooks report nowhere (`Registry.step_switch`) and every wrapped cache or layer method is
     its original again, as a paused observation leaves them, and the runner's step record wrapper is gone (the
     class's method is called); on: as the hook installed them. The sampler thread runs throughout (its cost is
     measured apart). Two adjacent steps share the machine's load of the moment, so a pair's ratio leaves most of
@@ -99,7 +99,7 @@ class StepArms:
         self._record_wrapper = vars(runner)["execute_model"]  # the hook's, on the instance
         assert isinstance(self._record_wrapper, StepWrapper)
         self._probe = StepWrapper(_plain, Record(bytearray(new_record(0, 0))))
-        self._hooks = wrappers.step_switch(installed, installed._wrapped)
+        self._hooks = installed.step_switch()
         self._current: bool | None = None
         self._pair = 0
         self._second: bool | None = None  # the arm the pair's second step runs
