@@ -11,7 +11,7 @@ from prometheus_client.core import Metric
 from kv_exporter.manifest import PodInfo
 from kv_exporter.sidecar import metrics_table as table
 from kv_exporter.sidecar.engine_page import EngineKey
-from kv_exporter.sidecar.labels import engine_labels, gpu_labels, pod_labels
+from kv_exporter.sidecar.labels import engine_labels, pod_labels
 from kv_exporter.sidecar.limits import BINDINGS, EngineBudget, Limits
 from kv_exporter.sidecar.snapshot import GpuView, Snapshot
 
@@ -107,3 +107,7 @@ def budget_families(budgets: Sequence[EngineBudget]) -> list[Metric]:
 
 def _worker_labels(key: EngineKey, gpu: str, uuid: str, pod: PodInfo) -> tuple[str, ...]:
     return (*engine_labels(key), gpu, uuid, *pod_labels(pod))
+
+
+def gpu_labels(view: GpuView) -> tuple[str, ...]:
+    return (str(view.memory.index), view.memory.uuid, view.source, *pod_labels(view.pod))
