@@ -69,7 +69,7 @@ def serve_argv(folder: Path, port: int, scripts: Path = Path(PYTHON).parent) -> 
     script = scripts / "kv-exporter"
     argv = [str(script)] if script.exists() else [PYTHON, "-m", "kv_exporter"]
     argv += ["serve", "--manifest-dir", str(folder), *SIMULATE_GPU]
-    return [*argv, "--listen-address", f"127.0.0.1:{port}", "--log-level", "warning"]
+    return [*argv, "--web.listen-address", f"127.0.0.1:{port}", "--log.level", "warn"]
 
 
 # The installed sidecar imports its own package, not this checkout's (which PYTHONPATH would put first).

@@ -48,32 +48,14 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-class _Deprecated(argparse.Action):
-    """An old spelling of an option: it still works, hidden from --help, and says which spelling replaced it."""
-
-    def __init__(
-        self, option_strings: Sequence[str], dest: str, replacement: str, append: bool = False, **kwargs: Any
-    ) -> None:
-        self.replacement = replacement
-        self.append = append  # the new spelling is repeatable: add to its list
-        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
-
-    def __call__(
-        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
-    ) -> None:
-        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), values] if self.append else values)
-        namespace.deprecated = [*getattr(namespace, "deprecated", []), (option, self.replacement)]
-
-
 def _log_level(text: str) -> str:
-    level = {"warning": "warn"}.get(text, text)  # the old spelling of warn
-    if level not in LEVELS:
+    if text not in LEVELS:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(LEVELS)}, got {text!r}")
-    return level
+    return text
 
 
 def _common(parser: argparse.ArgumentParser, default_listen: str, repeatable: bool = False) -> None:
-    """The exporter-toolkit's own flags, spelled as node_exporter spells them (the old spellings still work)."""
+    """The exporter-toolkit's own flags, spelled as node_exporter spells them."""
     if repeatable:  # node_exporter listens on each one given
         parser.add_argument(
             "--web.listen-address",
@@ -94,10 +76,6 @@ def _common(parser: argparse.ArgumentParser, default_listen: str, repeatable: bo
             help=f"[host]:port to serve on (default {default_listen})",
         )
     parser.add_argument(
-        "--listen-address", dest="listen_addresses" if repeatable else "listen_address", type=listen_address,
-        action=_Deprecated, replacement="--web.listen-address", append=repeatable,
-    )  # fmt: skip
-    parser.add_argument(
         "--web.telemetry-path",
         dest="telemetry_path",
         type=_telemetry_path,
@@ -113,7 +91,6 @@ def _common(parser: argparse.ArgumentParser, default_listen: str, repeatable: bo
         metavar="{" + ",".join(LEVELS) + "}",
         help="default info",
     )
-    parser.add_argument("--log-level", dest="log_level", type=_log_level, action=_Deprecated, replacement="--log.level")
     parser.add_argument(
         "--log.format", dest="log_format", choices=FORMATS, default=FORMATS[0], help="default %(default)s"
     )
@@ -391,8 +368,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--collection-timeout must be more than --engine-timeout: every collection reads the engines")
     # report prints every problem in its own output; the readers' log lines would say each a second time.
     setup_logging("error" if args.command == "report" else args.log_level, getattr(args, "log_format", "logfmt"))
-    for old, new in getattr(args, "deprecated", []):
-        log.warning("%s is deprecated and will be removed: use %s", old, new)
     commands = {"serve": run_serve, "demo": run_demo, "report": run_report}
     return commands[args.command](args)
 
