@@ -23,9 +23,9 @@ from kv_exporter.sidecar.arguments import (
 from kv_exporter.sidecar.buildinfo import build_info
 from kv_exporter.sidecar.collection import DEFAULT_COLLECTION_TIMEOUT_S
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S
-from kv_exporter.sidecar.http import DEFAULT_LISTEN_ADDRESS, DEMO_LISTEN_ADDRESS, ExporterServer
 from kv_exporter.sidecar.logs import FORMATS, LEVELS, setup_logging
 from kv_exporter.sidecar.running import DEFAULT_WINDOW_S
+from kv_exporter.sidecar.server import DEFAULT_LISTEN_ADDRESS, DEMO_LISTEN_ADDRESS, ExporterServer
 from kv_exporter.sidecar.stopping import StopRequest
 from kv_exporter.transport.connection import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_REQUESTS, Limits
 
@@ -254,7 +254,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kv_exporter.sidecar.allocator import keep_heaps_returnable
     from kv_exporter.sidecar.collection import Collection, CollectionSettings
     from kv_exporter.sidecar.garbage import collect_less_often
-    from kv_exporter.sidecar.http import serve_in_thread, server_urls
+    from kv_exporter.sidecar.server import serve_in_thread, server_urls
 
     grace_s = args.engine_timeout + SHUTDOWN_MARGIN_S
     stop = StopRequest.install(bound_s=grace_s + STOP_MARGIN_S)
@@ -315,7 +315,7 @@ def _listen_addresses(args: argparse.Namespace) -> list[str]:
 def _listen(args: argparse.Namespace, app: ExporterApp) -> ExporterServer:
     """The HTTP server on each listen address (or systemd's sockets), with the exporter-toolkit web configuration
     when one is given."""
-    from kv_exporter.sidecar.http import build_server, systemd_sockets
+    from kv_exporter.sidecar.server import build_server, systemd_sockets
 
     limits = Limits(max_connections=args.max_connections, max_requests=args.max_requests)
     reloader = None

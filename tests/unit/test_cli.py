@@ -145,7 +145,7 @@ def test_serve_starts_fast_and_small(tmp_path: Path) -> None:
             [
                 sys.executable,
                 "-c",
-                "import kv_exporter.sidecar.cli, kv_exporter.sidecar.http, sys; print(sorted(sys.modules))",
+                "import kv_exporter.sidecar.cli, kv_exporter.sidecar.server, sys; print(sorted(sys.modules))",
             ],
             capture_output=True,
             text=True,
