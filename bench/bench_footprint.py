@@ -41,7 +41,7 @@ RSS_LIMIT = 40 * MIB
 STARTUP_LIMIT_S = 1.0
 # Issue 40: start-up within 1.5x of what a Python user would pick instead (prometheus_client's start_http_server with
 # plain gauges, the baseline), same run. node_exporter's, a Go binary's, stays a reported figure: issue 22 asked for
-# 4x it, which the interpreter's own start alone exceeds (docs/benchmarks.md section 12).
+# 4x it, which the interpreter's own start alone exceeds (docs/benchmarks.md, open misses).
 STARTUP_BASELINE_RATIO = 1.5
 # Allocator noise: RSS moves in pages and arena chunks. Growth above this over the last half is a leak.
 GROWTH_TOLERANCE = 256 << 10
@@ -69,7 +69,7 @@ def serve_argv(folder: Path, port: int, scripts: Path = Path(PYTHON).parent) -> 
     script = scripts / "kv-exporter"
     argv = [str(script)] if script.exists() else [PYTHON, "-m", "kv_exporter"]
     argv += ["serve", "--manifest-dir", str(folder), *SIMULATE_GPU]
-    return [*argv, "--listen-address", f"127.0.0.1:{port}", "--log-level", "warning"]
+    return [*argv, "--web.listen-address", f"127.0.0.1:{port}", "--log.level", "warn"]
 
 
 # The installed sidecar imports its own package, not this checkout's (which PYTHONPATH would put first).
@@ -81,10 +81,11 @@ def installed_serve(venv: Path, folder: Path, port: int) -> list[str]:
 
 
 def compile_bytecode() -> None:
-    """Byte-compile what the started processes import from this checkout, as an install does (pip on install, the
-    image at build: deploy/docker/install-sidecar.sh); prometheus_client's, in the environment, already is. Where
+    """Byte-compile what the started processes import from this checkout, as an install does (pip on install, the image
+    at build: deploy/docker/install-sidecar.sh); prometheus_client's, in the environment, already is. Where
     PYTHONDONTWRITEBYTECODE is set (as in this machine's shells) a checkout is otherwise compiled from source at every
-    start: ~50 ms of the sidecar's start-up, some of the baseline's, that no installed exporter pays (section 12)."""
+    start: ~50 ms of the sidecar's start-up, some of the baseline's, that no installed exporter pays
+    (docs/decisions/0021-start-up-measured-from-bytecode.md)."""
     for package in CHECKOUT_PACKAGES:
         compileall.compile_dir(REPO / package, quiet=1)
 
@@ -124,7 +125,7 @@ def memory_over(pid: int, port: int, scrapes: int, every: int = 100) -> list[tup
 def split_growth(points: list[tuple[int, int]]) -> tuple[int, int]:
     """RSS growth as (one-off steps, steady creep). A leak creeps scrape after scrape; glibc's dynamic mmap
     threshold moves large buffers into an arena now and then, a single step that stays flat afterwards (with
-    MALLOC_MMAP_THRESHOLD_ fixed the steps disappear: docs/benchmarks.md)."""
+    MALLOC_MMAP_THRESHOLD_ fixed the steps disappear: docs/decisions/0007-fixed-mmap-threshold.md)."""
     deltas = [b[1] - a[1] for a, b in itertools.pairwise(points)]
     steps = sum(d for d in deltas if d >= STEP)
     return steps, sum(deltas) - steps

@@ -32,6 +32,7 @@ from kv_exporter.observation import ObservationState
 from kv_exporter.plugin import observe
 from kv_exporter.plugin.hooks import install_post_import
 from kv_exporter.plugin.settings import HookSettings
+from tests.support.plugin_state import stop_observing
 
 LAYERS = 28  # Qwen2.5-7B and Qwen3-TTS talker depth: the layer count sets a sample's work, tensor sizes do not
 WORKER_FRAMES = 25  # frames under the model's forward in a vLLM worker (busy loop, executor, runner, ...)
@@ -128,7 +129,7 @@ def creation_loop(model: Model, case: str, count: int) -> float:
 
 
 def tracking(model: Model | None) -> None:
-    observe.reset_for_tests()
+    stop_observing()
     settings = HookSettings(False, Path("/nonexistent"), True, "auto", observe_interval_s=1.0)
     install_post_import(observe.patches(settings))
     if model is not None:
@@ -136,7 +137,7 @@ def tracking(model: Model | None) -> None:
 
 
 def untracked() -> None:
-    observe.reset_for_tests()
+    stop_observing()
 
 
 def creation_costs(report: Report, repeats: int, count: int) -> dict[str, float]:

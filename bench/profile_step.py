@@ -39,6 +39,7 @@ from kv_exporter.plugin.hooks import install_post_import
 from kv_exporter.plugin.settings import HookSettings
 from tests.engine.server import MAX_NUM_SEQS
 from tests.engine.testplugin.kvx_testplugin import geometry as g
+from tests.support.plugin_state import stop_observing
 
 SECTIONS = ("new", "fill", "batch", "copy", "release")
 
@@ -117,7 +118,7 @@ def main() -> int:
             for name in SECTIONS:
                 spent[hooked][name].append(work.spent[name])
     apply(True)
-    observe.reset_for_tests()
+    stop_observing()
     for name in ("step", *SECTIONS):
         added = statistics.median(a - b for a, b in zip(spent[True][name], spent[False][name], strict=True)) / 1000
         off = statistics.median(spent[False][name]) / 1000

@@ -6,7 +6,7 @@ simulated device class the CLI instantiates (NVML is the one part allowed to be 
 1 GiB on it (so the per-process NVML path runs as in a hostPID DaemonSet). Started by tests.support.sidecar:
 
     python -m bench.sidecar --gpus 8 --engine-pid PID -- serve --manifest-dir D --engine-url U ... \
-        --simulate-gpu 80GiB:60GiB --listen-address 127.0.0.1:0
+        --simulate-gpu 80GiB:60GiB --web.listen-address 127.0.0.1:0
 
 The kv_exporter it runs is the first on the path: the checkout's, or an earlier commit's (`--compare-with`:
 bench.deployment.start_sidecar runs it in that copy's folder), in this layout or the one before kv_exporter/sidecar/.

@@ -138,8 +138,3 @@ def to_declarations(pairs: list[tuple[str, Any]]) -> tuple[Declaration, ...]:
         seen.add(key)
         declarations.append(declaration)
     return tuple(declarations)
-
-
-def reset_for_tests() -> None:
-    global _upstream
-    _upstream = None

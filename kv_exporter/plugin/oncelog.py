@@ -19,7 +19,3 @@ def warn_once(key: str, message: str, *args: object) -> bool:
     _warned.add(key)
     logger.warning(message, *args)
     return True
-
-
-def reset_for_tests() -> None:
-    _warned.clear()

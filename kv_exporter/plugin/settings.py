@@ -40,7 +40,7 @@ class HookSettings:
     explicit_directory: bool  # KV_EXPORTER_DIR was set: no fallback
     collector: str  # "auto": vllm-omni's when available, else ours; or one of COLLECTORS
     observe_interval_s: float = DEFAULT_OBSERVE_INTERVAL_S  # 0: observation off
-    # Follow each owner's high-water mark between samples (~0.5% of a decode step, docs/benchmarks.md section 9);
+    # Follow each owner's high-water mark between samples (within 1% of a decode step, docs/benchmarks.md target 9);
     # off, only caches' creation is hooked on the step path and the peak is the figure at the sample.
     observe_peak: bool = True
     # Each step's sequences in a mapped record beside the manifest (kv_exporter/steprecord.py): the running count the

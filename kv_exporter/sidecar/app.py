@@ -15,7 +15,7 @@ from kv_exporter.sidecar.collection import Collection, KVCollector, SingleFlight
 from kv_exporter.sidecar.exposition import Exposition, Fixed
 from kv_exporter.sidecar.gzipped import Gzip
 
-# Level 1: a third of level 6's time on a 220 KB page, for a 20% larger body (docs/benchmarks.md, target 1).
+# Level 1: a third of level 6's time on a 220 KB page, for a 20% larger body (docs/decisions/0003-gzip-level-1.md).
 GZIP_LEVEL = 1
 DEFAULT_TELEMETRY_PATH = "/metrics"
 _MAX_SHARED_FORMATS = 16  # formats with a shared rendering; others (odd Accept headers) render per request
@@ -75,8 +75,9 @@ class ExporterApp:
         return body, headers
 
     def _page(self, encoder: Encoder, content_type: str, compressed: bool) -> Callable[[], bytes]:
-        """Concurrent scrapes asking for the same format share one collection *and* one rendering: rendering
-        per request made 32 concurrent scrapers wait for 32 renderings (docs/benchmarks.md, target 5)."""
+        """Concurrent scrapes asking for the same format share one collection *and* one rendering: rendering per request
+        made 32 concurrent scrapers wait for 32 renderings
+        (docs/decisions/0005-shared-rendering-and-listen-backlog.md)."""
         key = (content_type, compressed)
         with self._pages_lock:
             flight = self._pages.get(key)

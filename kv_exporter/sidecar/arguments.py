@@ -7,8 +7,8 @@ import argparse
 import re
 
 from kv_exporter.sidecar.engine_page import EngineTarget
-from kv_exporter.sidecar.http import parse_listen_address
 from kv_exporter.sidecar.running import MAX_WINDOW_S
+from kv_exporter.sidecar.server import parse_listen_address
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
 _FACTORS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}

@@ -96,7 +96,7 @@ def _engine_size(key: EngineKey, pod: PodInfo) -> int:
 
 # Costs by manifest object, each dropped with its object. The store hands out the same Manifest while its file is
 # unchanged, so each file version is costed once: costing every live manifest on every scrape took half of
-# build_snapshot's time (~5 us a declaration; docs/benchmarks.md).
+# build_snapshot's time (~5 us a declaration; docs/decisions/0006-cost-each-manifest-once.md).
 _costs: dict[int, tuple[weakref.ref[Manifest], Cost]] = {}
 
 

@@ -23,9 +23,9 @@ from kv_exporter.sidecar.arguments import (
 from kv_exporter.sidecar.buildinfo import build_info
 from kv_exporter.sidecar.collection import DEFAULT_COLLECTION_TIMEOUT_S
 from kv_exporter.sidecar.engine_page import DEFAULT_MAX_PAGE_BYTES, DEFAULT_TIMEOUT_S
-from kv_exporter.sidecar.http import DEFAULT_LISTEN_ADDRESS, DEMO_LISTEN_ADDRESS, ExporterServer
 from kv_exporter.sidecar.logs import FORMATS, LEVELS, setup_logging
 from kv_exporter.sidecar.running import DEFAULT_WINDOW_S
+from kv_exporter.sidecar.server import DEFAULT_LISTEN_ADDRESS, DEMO_LISTEN_ADDRESS, ExporterServer
 from kv_exporter.sidecar.stopping import StopRequest
 from kv_exporter.transport.connection import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_REQUESTS, Limits
 
@@ -48,32 +48,14 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-class _Deprecated(argparse.Action):
-    """An old spelling of an option: it still works, hidden from --help, and says which spelling replaced it."""
-
-    def __init__(
-        self, option_strings: Sequence[str], dest: str, replacement: str, append: bool = False, **kwargs: Any
-    ) -> None:
-        self.replacement = replacement
-        self.append = append  # the new spelling is repeatable: add to its list
-        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
-
-    def __call__(
-        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
-    ) -> None:
-        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), values] if self.append else values)
-        namespace.deprecated = [*getattr(namespace, "deprecated", []), (option, self.replacement)]
-
-
 def _log_level(text: str) -> str:
-    level = {"warning": "warn"}.get(text, text)  # the old spelling of warn
-    if level not in LEVELS:
+    if text not in LEVELS:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(LEVELS)}, got {text!r}")
-    return level
+    return text
 
 
 def _common(parser: argparse.ArgumentParser, default_listen: str, repeatable: bool = False) -> None:
-    """The exporter-toolkit's own flags, spelled as node_exporter spells them (the old spellings still work)."""
+    """The exporter-toolkit's own flags, spelled as node_exporter spells them."""
     if repeatable:  # node_exporter listens on each one given
         parser.add_argument(
             "--web.listen-address",
@@ -94,10 +76,6 @@ def _common(parser: argparse.ArgumentParser, default_listen: str, repeatable: bo
             help=f"[host]:port to serve on (default {default_listen})",
         )
     parser.add_argument(
-        "--listen-address", dest="listen_addresses" if repeatable else "listen_address", type=listen_address,
-        action=_Deprecated, replacement="--web.listen-address", append=repeatable,
-    )  # fmt: skip
-    parser.add_argument(
         "--web.telemetry-path",
         dest="telemetry_path",
         type=_telemetry_path,
@@ -113,7 +91,6 @@ def _common(parser: argparse.ArgumentParser, default_listen: str, repeatable: bo
         metavar="{" + ",".join(LEVELS) + "}",
         help="default info",
     )
-    parser.add_argument("--log-level", dest="log_level", type=_log_level, action=_Deprecated, replacement="--log.level")
     parser.add_argument(
         "--log.format", dest="log_format", choices=FORMATS, default=FORMATS[0], help="default %(default)s"
     )
@@ -277,7 +254,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kv_exporter.sidecar.allocator import keep_heaps_returnable
     from kv_exporter.sidecar.collection import Collection, CollectionSettings
     from kv_exporter.sidecar.garbage import collect_less_often
-    from kv_exporter.sidecar.http import serve_in_thread, server_urls
+    from kv_exporter.sidecar.server import serve_in_thread, server_urls
 
     grace_s = args.engine_timeout + SHUTDOWN_MARGIN_S
     stop = StopRequest.install(bound_s=grace_s + STOP_MARGIN_S)
@@ -338,7 +315,7 @@ def _listen_addresses(args: argparse.Namespace) -> list[str]:
 def _listen(args: argparse.Namespace, app: ExporterApp) -> ExporterServer:
     """The HTTP server on each listen address (or systemd's sockets), with the exporter-toolkit web configuration
     when one is given."""
-    from kv_exporter.sidecar.http import build_server, systemd_sockets
+    from kv_exporter.sidecar.server import build_server, systemd_sockets
 
     limits = Limits(max_connections=args.max_connections, max_requests=args.max_requests)
     reloader = None
@@ -393,8 +370,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--collection-timeout must be more than --engine-timeout: every collection reads the engines")
     # report prints every problem in its own output; the readers' log lines would say each a second time.
     setup_logging("error" if args.command == "report" else args.log_level, getattr(args, "log_format", "logfmt"))
-    for old, new in getattr(args, "deprecated", []):
-        log.warning("%s is deprecated and will be removed: use %s", old, new)
     commands = {"serve": run_serve, "demo": run_demo, "report": run_report}
     return commands[args.command](args)
 

@@ -58,10 +58,10 @@ class SingleFlight(Generic[T]):
     """Calls `fn` for the first caller; callers arriving while it runs wait and get the same result.
 
     The first caller runs `fn` itself: handing it to a thread of its own cost two thread hand-offs a scrape, 0.35 ms of
-    2.9 (docs/benchmarks.md, section 11). With `deadline_s`, the callers that join wait at most until the call has run
-    that long, then get `FlightTimeout`; a call stuck in a read that never returns holds its first caller only (the
-    server answers that caller's request at the deadline: `http.ExporterServer`). Callers join it until it returns,
-    so a stuck call never runs twice at once.
+    2.9 (docs/decisions/0017-no-collection-thread.md). With `deadline_s`, the callers that join wait at most until the
+    call has run that long, then get `FlightTimeout`; a call stuck in a read that never returns holds its first caller
+    only (the server answers that caller's request at the deadline: `http.ExporterServer`). Callers join it until it
+    returns, so a stuck call never runs twice at once.
     """
 
     def __init__(self, fn: Callable[[], T], deadline_s: float | None = None) -> None:
@@ -155,8 +155,9 @@ class Collection:
 
     def _collect(self) -> Snapshot:
         started = time.perf_counter()
-        # The engines answer while the manifests are read: the pages are read in this thread, so nothing competes
-        # for the GIL (fetch threads did: 4.6 against 4.0 ms of CPU a scrape, docs/benchmarks.md).
+        # The engines answer while the manifests are read: the pages are read in this thread, so nothing competes for
+        # the GIL (fetch threads did: 4.6 against 4.0 ms of CPU a scrape,
+        # docs/decisions/0016-engine-pages-on-an-event-loop.md).
         reads = self.pages.begin()
         entries = assess(self.store.load(), self.our_namespace, self.settings.proc, self.processes)
         pages = self.pages.finish(reads, running_limits(entries))

@@ -2,8 +2,9 @@
 
 None of it depends on a running count, so it is built when a manifest is read and reused until the manifest's
 declarations, engine, pod, max_num_seqs or placement change (a worker rewriting its manifest with a new observation
-changes none of them). Reuse is by identity all the way down: an unchanged input gives the same object, which lets
-the metric families and the exposition reuse what they made from it in turn (docs/benchmarks.md, section 11).
+changes none of them). Reuse is by identity all the way down: an unchanged input gives the same object, which lets the
+metric families and the exposition reuse what they made from it in turn
+(docs/decisions/0014-render-what-did-not-change-once.md).
 """
 
 from __future__ import annotations

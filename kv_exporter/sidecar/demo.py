@@ -44,8 +44,8 @@ from kv_exporter.reference import MING_FLASH_OMNI, QWEN3_TTS, REFERENCE_MODELS, 
 from kv_exporter.sidecar.app import DEFAULT_TELEMETRY_PATH, ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
-from kv_exporter.sidecar.http import DEMO_LISTEN_ADDRESS, ExporterServer, build_server, serve_in_thread, server_url
 from kv_exporter.sidecar.report import DEMO_BROKEN_MANIFEST
+from kv_exporter.sidecar.server import DEMO_LISTEN_ADDRESS, ExporterServer, build_server, serve_in_thread, server_url
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine, vllm_page
 from kv_exporter.steprecord import RecordWriter, new_record, record_name
 

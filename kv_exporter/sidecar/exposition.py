@@ -18,8 +18,8 @@ class GaugeRows(GaugeMetricFamily):
     """A gauge family that keeps its series as (label values, value) rows.
 
     prometheus_client's `Sample` objects (a label dict each) are built only when something asks for `samples`;
-    `Exposition` reads `rows`. On a page of a few hundred declaration
-    series, making and re-reading those dicts was a third of the scrape (docs/benchmarks.md, target 1).
+    `Exposition` reads `rows`. On a page of a few hundred declaration series, making and re-reading those dicts was a
+    third of the scrape (docs/decisions/0002-own-exposition-renderer.md).
     A label whose value is empty is left out of its series: Prometheus reads an empty label as an absent one, and
     under `honor_labels` an empty one would delete the target's label of that name (a worker without pod
     information must not erase the pod and namespace its target carries).
@@ -106,7 +106,7 @@ class Exposition:
     def chunks(self, metrics: Iterable[Metric], content_type: str) -> list[bytes] | None:
         """The page as one piece per family (frozen ones made once): a page joined in one piece is a block past
         glibc's mmap threshold (kept at 128 KiB by `allocator`), page-faulted in anew on every scrape (0.47 ms
-        against 0.02 ms for 225 KB, docs/benchmarks.md section 11)."""
+        against 0.02 ms for 225 KB, docs/decisions/0007-fixed-mmap-threshold.md)."""
         if _escaping(content_type) not in _SAME_FOR_LEGACY_NAMES:
             return None
         openmetrics = content_type.startswith("application/openmetrics-text")

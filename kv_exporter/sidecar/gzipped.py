@@ -25,7 +25,7 @@ class Gzip:
 
     One compressor serves every page and piece: each ends at a Z_FULL_FLUSH cut, after which nothing refers back,
     and a page's stream is closed by an empty final stored block (RFC 1951 3.2.4). A new compressor each page cost
-    ~45 us of allocating and clearing its 256 KiB state, 15% of the compression (docs/benchmarks.md, section 11).
+    ~45 us of allocating and clearing its 256 KiB state, 15% of the compression (docs/decisions/0015-splicing-gzip.md).
     """
 
     def __init__(self, level: int) -> None:

@@ -291,7 +291,7 @@ def gpu_views(
     """`views_at`: the declaration views by their placement's device key. Only the GPUs a live manifest sits on: a
     GPU no engine of this exporter uses is another exporter's (or nobody's) to report."""
     result = []
-    # Grouped in one pass each, not one pass per device (docs/benchmarks.md, target 1).
+    # Grouped in one pass each, not one pass per device (docs/decisions/0004-engine-page-scanner.md).
     owners_at = _by_place((o.placement, o) for o in owners)
     live = [e.manifest for e in entries if e.manifest is not None and e.live]
     workers_at = _by_place((placement(m, gpu), m) for m in live)

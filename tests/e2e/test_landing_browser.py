@@ -26,7 +26,7 @@ from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS, ReferenceModel
 from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
-from kv_exporter.sidecar.http import build_server, serve_in_thread
+from kv_exporter.sidecar.server import build_server, serve_in_thread
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
 from kv_exporter.sidecar.thresholds import HeadroomState, headroom_margin, headroom_state
 from kv_exporter.sidecar.units import human_bytes

@@ -241,7 +241,7 @@ def test_a_tls_version_the_platform_refuses_is_refused_at_start(tmp_path: Path) 
             assert get(f"https://127.0.0.1:{sc.port}/metrics", context=context)[0] == 200
             assert sc.stop() == 0
         return
-    argv = [sys.executable, "-m", "kv_exporter", "serve", "--listen-address", "127.0.0.1:0",
+    argv = [sys.executable, "-m", "kv_exporter", "serve", "--web.listen-address", "127.0.0.1:0",
             "--manifest-dir", str(tmp_path / "m"), "--web.config.file", str(config)]  # fmt: skip
     with subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as process:
         try:

@@ -12,7 +12,7 @@ from kv_exporter.gpu import GpuReader, SimulatedGpu
 from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
-from kv_exporter.sidecar.http import ExporterServer, build_server, serve_in_thread, server_url
+from kv_exporter.sidecar.server import ExporterServer, build_server, serve_in_thread, server_url
 from kv_exporter.transport.connection import Limits
 from tests.support.constants import GPU_TOTAL, GPU_USED, OTHER_NS, UUID0
 from tests.support.net import Headers, get

@@ -21,10 +21,10 @@ from kv_exporter.observation import Observation, ObservationState, OwnerObservat
 from kv_exporter.plugin import observe
 from kv_exporter.plugin.collect import COLLECTOR_OURS, collect, to_declarations
 from kv_exporter.plugin.hooks import install_post_import
-from kv_exporter.plugin.oncelog import reset_for_tests
 from kv_exporter.plugin.settings import HookSettings
 from kv_exporter.protocol import ModelLocalKVSpec
 from tests.support.cache_models import build, declare, forward, full_config, prompt, sliding_config
+from tests.support.plugin_state import forget_warnings, stop_observing
 
 OBSERVE_LOGGER = "vllm.kv_exporter"
 
@@ -41,15 +41,15 @@ def settings(interval_s: float, peak: bool = True) -> HookSettings:
 
 
 def _observing(peak: bool) -> Iterator[None]:
-    observe.reset_for_tests()
-    reset_for_tests()
+    stop_observing()
+    forget_warnings()
     gc.collect()  # caches of earlier tests that only a cycle still holds
     install_post_import(observe.patches(settings(1.0, peak)))
     try:
         yield
     finally:
-        observe.reset_for_tests()
-        reset_for_tests()
+        stop_observing()
+        forget_warnings()
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import pytest
 from torch import nn
 
 from kv_exporter.plugin import collect
-from kv_exporter.plugin.oncelog import reset_for_tests
 from kv_exporter.protocol import ModelLocalKVScope, ModelLocalKVSpec, RowDriver
+from tests.support.plugin_state import forget_upstream_collector, forget_warnings
 
 UPSTREAM_SOURCE = textwrap.dedent(
     """
@@ -60,17 +60,17 @@ def fake_wheel(tmp_path: Path) -> Iterator[Path]:
     (package / "model_executor" / "models").mkdir(parents=True)
     (package / "__init__.py").write_text("raise ImportError(\"cannot import name 'RoutedExpertsLists'\")\n")
     sys.path.insert(0, str(tmp_path))
-    reset_for_tests()
-    collect.reset_for_tests()
+    forget_warnings()
+    forget_upstream_collector()
     yield package / "model_executor" / "models" / "model_local_kv.py"
     sys.path.remove(str(tmp_path))
     for name in [m for m in sys.modules if m.startswith("vllm_omni") or m == collect.PRIVATE_MODULE]:
         del sys.modules[name]
-    collect.reset_for_tests()
+    forget_upstream_collector()
 
 
 def test_without_vllm_omni_ours_is_used() -> None:
-    collect.reset_for_tests()
+    forget_upstream_collector()
     name, pairs = collect.collect(model())
     assert name == "kv_exporter" and [owner for owner, _ in pairs] == ["owner"]
 

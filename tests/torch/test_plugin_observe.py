@@ -42,6 +42,7 @@ from tests.support.cache_models import (
     whisper_decode,
 )
 from tests.support.observing import Omni, Prebuilt, by_owner, declaring_owners, decode_in_helper, observer, sample
+from tests.support.plugin_state import stop_observing
 
 __all__ = ["observer"]  # the fixture, imported for pytest
 
@@ -310,6 +311,6 @@ def test_the_forward_passes_still_see_their_own_results() -> None:
     """Tracking changes nothing the model computes: the same logits with and without it."""
     model = build(Qwen2ForCausalLM, full_config(), torch.float32)
     tracked = forward(model, DynamicCache(), input_ids=prompt(1, 6)).logits
-    observe.reset_for_tests()
+    stop_observing()
     untracked = forward(model, DynamicCache(), input_ids=prompt(1, 6)).logits
     assert torch.equal(tracked, untracked)

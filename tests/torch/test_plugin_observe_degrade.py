@@ -20,10 +20,10 @@ from transformers import DynamicCache, Qwen2ForCausalLM
 from kv_exporter.cachebytes import measure_cache_bytes
 from kv_exporter.observation import UNATTRIBUTED_OWNER, CudaUnavailable, Observation, ObservationState
 from kv_exporter.plugin import observe
-from kv_exporter.plugin.oncelog import reset_for_tests
 from kv_exporter.plugin.settings import DEFAULT_OBSERVE_INTERVAL_S, HookSettings
 from tests.support.cache_models import build, forward, full_config, prefill_and_decode, prompt
 from tests.support.observing import by_owner, observer, sample, warnings_logged
+from tests.support.plugin_state import forget_warnings
 
 __all__ = ["observer"]  # the fixture, imported for pytest
 
@@ -213,7 +213,7 @@ def test_the_plugin_patches_and_samples_only_when_observing(interval: str, expec
      ("inf", DEFAULT_OBSERVE_INTERVAL_S, True)],
 )  # fmt: skip
 def test_the_interval_setting(text: str | None, seconds: float, warned: bool, caplog: pytest.LogCaptureFixture) -> None:
-    reset_for_tests()
+    forget_warnings()
     environ = {} if text is None else {"KV_EXPORTER_OBSERVE_INTERVAL": text}
     for _ in range(2):
         parsed = HookSettings.from_environ(environ)

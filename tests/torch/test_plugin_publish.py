@@ -27,12 +27,11 @@ from torch import nn
 
 from kv_exporter.gpu import NvmlReader, SimulatedGpu
 from kv_exporter.manifest import Phase, manifest_filename, read_manifest
-from kv_exporter.plugin import collect as plugin_collect
 from kv_exporter.plugin import publish as publish_module
-from kv_exporter.plugin.oncelog import reset_for_tests
 from kv_exporter.plugin.publish import publish
 from kv_exporter.plugin.settings import HookSettings
 from kv_exporter.protocol import ModelLocalKVScope, ModelLocalKVSpec, RowDriver
+from tests.support.plugin_state import forget_upstream_collector, forget_warnings
 
 MAX_NUM_SEQS = 6
 
@@ -100,8 +99,8 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def fresh_state(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    reset_for_tests()
-    plugin_collect.reset_for_tests()
+    forget_warnings()
+    forget_upstream_collector()
     caplog.set_level(logging.INFO)
     yield
     publish_module._cleanup.owned.clear()

@@ -20,6 +20,7 @@ from kv_exporter.sidecar.liveness import State, Verdict
 from kv_exporter.sidecar.observed import observe as sidecar_view
 from kv_exporter.sidecar.records import GpuResult, ManifestEntry
 from tests.support.observing import Omni, by_owner, observer
+from tests.support.plugin_state import stop_observing
 
 __all__ = ["observer"]  # the fixture, used by name
 
@@ -70,7 +71,7 @@ def test_the_published_manifest_carries_each_new_observation(tmp_path: Path, obs
 
 
 def test_with_observation_off_the_manifest_says_so(tmp_path: Path) -> None:
-    observe.reset_for_tests()
+    stop_observing()
     settings = HookSettings(False, tmp_path, True, "kv_exporter", observe_interval_s=0.0)
     observe.patches(settings)  # what register() does with KV_EXPORTER_OBSERVE_INTERVAL=0
     try:
@@ -80,4 +81,4 @@ def test_with_observation_off_the_manifest_says_so(tmp_path: Path) -> None:
         assert observation is not None and observation.state is ObservationState.OFF
         assert not observe.start(lambda _: None)  # and no thread runs
     finally:
-        observe.reset_for_tests()
+        stop_observing()

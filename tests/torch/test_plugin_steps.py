@@ -18,14 +18,14 @@ import pytest
 from kv_exporter.manifest import ProcessInfo
 from kv_exporter.plugin import steps
 from kv_exporter.plugin._steps import Record, StepWrapper
-from kv_exporter.plugin.oncelog import reset_for_tests
 from kv_exporter.steprecord import BUCKET_NS, RECORD_BYTES, RecordWriter, StepRecord, decode, new_record
 from tests.support.constants import REPO
+from tests.support.plugin_state import forget_warnings
 
 
 @pytest.fixture(autouse=True)
 def fresh_warnings() -> None:
-    reset_for_tests()  # one warning per kind of failure per process: each test sees its own
+    forget_warnings()  # one warning per kind of failure per process: each test sees its own
 
 
 class SchedulerOutput:

@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,8 +24,7 @@ from kv_exporter.sidecar.metrics_table import WEB_CONFIG_RELOAD
 from kv_exporter.sidecar.units import human_bytes
 from tests.support.constants import GIB, REPO
 from tests.support.manifests import live_manifest, reference_manifest
-from tests.support.net import free_port
-from tests.support.sidecar import sidecar, stop_process
+from tests.support.sidecar import sidecar
 
 CONTRACTS = REPO / "docs" / "CONTRACTS.md"
 
@@ -147,7 +145,7 @@ def test_serve_starts_fast_and_small(tmp_path: Path) -> None:
             [
                 sys.executable,
                 "-c",
-                "import kv_exporter.sidecar.cli, kv_exporter.sidecar.http, sys; print(sorted(sys.modules))",
+                "import kv_exporter.sidecar.cli, kv_exporter.sidecar.server, sys; print(sorted(sys.modules))",
             ],
             capture_output=True,
             text=True,
@@ -240,27 +238,18 @@ def test_demo_running_count_moves() -> None:
     assert len(counts) > 5 and max(counts) <= qwen.max_num_seqs and min(counts) >= 0
 
 
-def test_the_old_flag_spellings_still_work_and_say_what_replaced_them(tmp_path: Path) -> None:
-    port = free_port()
-    old = ["--listen-address", f"127.0.0.1:{port}", "--log-level", "info"]
-    argv = [sys.executable, "-m", "kv_exporter", "serve", "--manifest-dir", str(tmp_path), "--no-nvml", *old]
-    process = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                assert urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).status == 200
-                break
-            except OSError:
-                assert time.monotonic() < deadline and process.poll() is None, "it did not serve on the old flag"
-                time.sleep(0.1)
-    finally:
-        stop_process(process)
-    assert process.stderr is not None
-    log = process.stderr.read()
-    assert "--listen-address is deprecated and will be removed: use --web.listen-address" in log
-    assert "--log-level is deprecated and will be removed: use --log.level" in log
-    assert "--listen-address" not in run_kv_exporter("serve", "--help")  # hidden
+def test_the_pre_toolkit_spellings_are_gone(capsys: pytest.CaptureFixture[str]) -> None:
+    """0.1.0 shipped --listen-address, --log-level and --log.level=warning as deprecated spellings; they are refused."""
+    from kv_exporter.sidecar.cli import build_parser
+
+    for old in (["--listen-address", "127.0.0.1:0"], ["--log-level", "info"], ["--log.level", "warning"]):
+        with pytest.raises(SystemExit) as exited:
+            build_parser().parse_args(["serve", "--manifest-dir", ".", *old])
+        assert exited.value.code == 2
+        error = capsys.readouterr().err
+        assert old[0] in error or old[1] in error, error
+    parsed = build_parser().parse_args(["serve", "--web.listen-address", "127.0.0.1:0", "--log.level", "warn"])
+    assert parsed.log_level == "warn" and parsed.listen_addresses == ["127.0.0.1:0"]
 
 
 def test_telemetry_path_and_json_logs(tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ def test_serve_loads_only_what_serving_metrics_needs(tmp_path: Path) -> None:
         "threading.Thread(target=check, daemon=True).start()\n"
         "from kv_exporter.sidecar.cli import main\n"
         f"main(['serve', '--manifest-dir', {str(tmp_path)!r}, '--simulate-gpu', '80GiB:60GiB',\n"
-        f"      '--listen-address', '127.0.0.1:{port}'])\n"
+        f"      '--web.listen-address', '127.0.0.1:{port}'])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -20,7 +20,7 @@ import pytest
 
 from kv_exporter.plugin import hooks
 from kv_exporter.plugin.hooks import MethodHook, install_on_class, install_post_import, is_wrapped
-from kv_exporter.plugin.oncelog import reset_for_tests
+from tests.support.plugin_state import forget_warnings
 
 
 class Events:
@@ -72,7 +72,7 @@ def make_classes(events: Events) -> dict[str, type]:
 
 @pytest.fixture
 def chain() -> Iterator[tuple[Events, dict[str, type]]]:
-    reset_for_tests()
+    forget_warnings()
     events = Events()
     classes = make_classes(events)
 
@@ -155,7 +155,7 @@ def test_a_failing_load_publishes_nothing_and_propagates(chain: tuple[Events, di
 
 
 def test_a_raising_callback_never_reaches_the_runner(caplog: pytest.LogCaptureFixture) -> None:
-    reset_for_tests()
+    forget_warnings()
     events = Events()
     classes = make_classes(events)
 
@@ -261,7 +261,7 @@ def test_already_imported_modules_are_patched_at_once(module_dir: Path) -> None:
 
 
 def test_a_failing_patch_never_fails_the_import(module_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    reset_for_tests()
+    forget_warnings()
     write_package(module_dir, "kvx_fake_broken", RUNNER_SOURCE)
 
     def patch(module: ModuleType) -> None:

@@ -14,7 +14,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from kv_exporter.gpu import NvmlReader
 from kv_exporter.manifest import write_manifest
 from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS
-from kv_exporter.sidecar.http import parse_listen_address
+from kv_exporter.sidecar.server import parse_listen_address
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
 from tests.support.constants import GIB, QWEN_ROW, UUID0
 from tests.support.exporter import exporter, simulated_gpu

@@ -1,5 +1,5 @@
 """The web config on a real socket, as `kv-exporter serve --web.config.file` wires it: the exporter's own server
-(`kv_exporter.sidecar.http.build_server` with a `WebConfigReloader`), scraped by TLS clients (Python's ssl and curl).
+(`kv_exporter.sidecar.server.build_server` with a `WebConfigReloader`), scraped by TLS clients (Python's ssl and curl).
 Right and wrong passwords, missing and foreign client certificates, plain HTTP to the TLS port, TLS to the plain port,
 version and cipher limits, live reloads, and a stalled client that must not block others."""
 
@@ -22,7 +22,7 @@ import pytest
 from kv_exporter.manifest import write_manifest
 from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
-from kv_exporter.sidecar.http import ExporterServer, build_server, serve_in_thread
+from kv_exporter.sidecar.server import ExporterServer, build_server, serve_in_thread
 from kv_exporter.transport.connection import PLAIN_HTTP_TO_TLS_RESPONSE, Limits
 from kv_exporter.web.reload import WebConfigReloader
 from tests.support import net

@@ -235,11 +235,3 @@ def start(on_sample: Callable[[Observation], None]) -> bool:
 def stop() -> None:
     if _observer.sampler is not None:
         _observer.sampler.stop()
-
-
-def reset_for_tests() -> None:
-    """Stop the thread, stop tracking, and forget everything (tests only)."""
-    global _observer
-    stop()
-    _observer.registry.detach()
-    _observer = _Observer()

@@ -3,10 +3,10 @@
  * sample. The per-step half of observation, in C.
  *
  * Why C: the engine's step runs these hooks ~40 times (a cache made, updated, released); written in Python the same
- * accounting cost the decode benchmark 2-3% (docs/benchmarks.md), here a small fraction of that. What stays in Python
- * (registry.py) is everything off the step path: which methods are wrapped, the model's map of code to owners, a
- * cache made before the model is known, a declaring ancestor's geometry check. The tracker calls those through its
- * `delegate` (the registry), only where the fast path cannot decide.
+ * accounting cost the decode benchmark 2-3% (docs/decisions/0011-peak-lazy-marks.md), here a small fraction of that.
+ * What stays in Python (registry.py) is everything off the step path: which methods are wrapped, the model's map of
+ * code to owners, a cache made before the model is known, a declaring ancestor's geometry check. The tracker calls
+ * those through its `delegate` (the registry), only where the fast path cannot decide.
  *
  * The accounting (peaks.py says why it is exact): an update only marks its cache; the marked caches are read
  * (`catch_up`) just before anything can fall (a release, a reshaping method) and when a sample asks; a catch-up first
@@ -1472,12 +1472,12 @@ static PyTypeObject TrackerType = {
 };
 
 /* -- the update hook: a cache class's `update`, then its cache marked ---------------------------------------- */
-/* Why C: between a forward's kernels a Python wrapper's frame cost ~2 us an update, about half of what the hooks
- * added to a decode step (docs/benchmarks.md). An `UpdateHook` is what the interpreter calls for `cache.update(...)`:
- * a method descriptor (Py_TPFLAGS_METHOD_DESCRIPTOR), so the call's method load hands it the instance unbound, and
- * it calls the original with the same arguments, untouched (vectorcall), then marks the cache. Every other access
- * binds through its Python subclass's `__get__` (wrappers.py), which gives the Python wrapper: what introspection,
- * `super()`, a bound method kept for later and dynamo see is exactly that wrapper. */
+/* Why C: between a forward's kernels a Python wrapper's frame cost ~2 us an update, about half of what the hooks added
+ * to a decode step (docs/decisions/0023-update-hook-in-c.md). An `UpdateHook` is what the interpreter calls for
+ * `cache.update(...)`: a method descriptor (Py_TPFLAGS_METHOD_DESCRIPTOR), so the call's method load hands it the
+ * instance unbound, and it calls the original with the same arguments, untouched (vectorcall), then marks the cache.
+ * Every other access binds through its Python subclass's `__get__` (wrappers.py), which gives the Python wrapper: what
+ * introspection, `super()`, a bound method kept for later and dynamo see is exactly that wrapper. */
 
 typedef struct {
     PyObject_HEAD

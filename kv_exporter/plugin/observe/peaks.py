@@ -8,7 +8,7 @@ replaces a storage by a larger one or writes in place). Everywhere else it can o
 marks its cache (one flag and a list entry), and the marked caches are read (`catch_up`) just before each
 place where something may fall and at each sample: between two such instants every owner's total only rises, so its
 maximum over the interval is one of the totals read then. The per-step path pays one mark per cache update, and a
-read of each storage once per fall instead of once per update (docs/benchmarks.md, section 9).
+read of each storage once per fall instead of once per update (docs/decisions/0011-peak-lazy-marks.md).
 
 Each storage is kept once, by data pointer (one address space per process), with a count of the caches holding it,
 charged to the owner of the first cache to hold it. A storage a cache dropped can only be freed after a change of

@@ -42,7 +42,7 @@ DEMO_LISTEN_ADDRESS = "127.0.0.1:9477"  # the demo's: loopback only
 MAX_WORKERS = 64
 # The kernel's queue of connections not yet accepted. With 5 (socketserver's default), a burst of new connections
 # lost SYNs and waited out the 1 s retransmit: 32 scrapers connecting at once saw ~2 s first scrapes
-# (docs/benchmarks.md, target 5).
+# (docs/decisions/0005-shared-rendering-and-listen-backlog.md).
 LISTEN_BACKLOG = 128
 # Requests whose credential is not cached yet (a bcrypt check) are answered by a thread of their own: bcrypt runs one
 # at a time (web/auth.py), and 200 clients with wrong passwords once held every worker waiting for it, so that a
