@@ -1,4 +1,4 @@
-"""Prometheus metric families from a `Snapshot`: the public metric names and labels (docs/metrics.md)."""
+"""Prometheus metric families from a `Snapshot`, each made from its row of `metrics_table` (docs/metrics.md)."""
 
 from __future__ import annotations
 
