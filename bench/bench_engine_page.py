@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.benchlib import Report, summarize
 from bench.deployment import source_at
-from kv_exporter.sidecar.engine_page import PIPELINE_METRIC, STAGE_METRIC, EngineKey, EnginePage, scan_page
+from kv_exporter.sidecar.engine_page import PIPELINE_SERIES, STAGE_SERIES, EngineKey, EnginePage, scan_page
 from tests.support.pages import OMNI_PAGE, VLLM_MODEL, vllm_page_with
 
 FASTER_AT_LEAST = 20.0
@@ -29,7 +29,7 @@ METHOD = f"""
 Input: the recorded vLLM 0.32 page ({VLLM_MODEL}, 599 lines, ~51 KB) with running count {RUNNING}, as bytes
 off the socket; also the recorded vllm-omni 0.30 page (771 lines) for reference. kv-exporter:
 engine_page.scan_page(bytes). Baseline: bytes.decode() + prometheus_client.parser.text_string_to_metric_families,
-keeping the {STAGE_METRIC.decode()} / {PIPELINE_METRIC.decode()} samples. Both must find the same counts.
+keeping the {STAGE_SERIES.name.decode()} / {PIPELINE_SERIES.name.decode()} samples. Both must find the same counts.
 One timing per call (perf_counter), calls alternating in blocks of 10; ratio = baseline / kv-exporter.
 """
 
@@ -41,11 +41,11 @@ def parser_counts(data: bytes) -> EnginePage:
     for family in text_string_to_metric_families(data.decode()):
         for sample in family.samples:
             labels = sample.labels
-            if sample.name == STAGE_METRIC.decode():
+            if sample.name == STAGE_SERIES.name.decode():
                 engine = labels.get("engine", labels.get("replica", "0"))
                 key = EngineKey(labels["model_name"], int(labels.get("stage", "0")), int(engine))
                 running[key] = int(sample.value)
-            elif sample.name == PIPELINE_METRIC.decode():
+            elif sample.name == PIPELINE_SERIES.name.decode():
                 pipeline[labels["model_name"]] = int(sample.value)
     return EnginePage(running, pipeline)
 

@@ -36,7 +36,7 @@ from kv_exporter.manifest import (
 from kv_exporter.observation import Observation, ObservationState, OwnerObservation
 from kv_exporter.plugin.settings import DEFAULT_OBSERVE_INTERVAL_S
 from kv_exporter.reference import REFERENCE_MODELS
-from kv_exporter.sidecar.engine_page import STAGE_METRIC
+from kv_exporter.sidecar.engine_page import STAGE_SERIES
 from tests.support.constants import REPO, SIMULATE_GPU, gpu_uuid
 from tests.support.pages import vllm_page_with
 from tests.support.sidecar import Sidecar
@@ -163,8 +163,8 @@ def write_deployment(folder: Path, layout: Layout, pid: int, observed: bool = Fa
 def stage_page(stage: int, running: int) -> bytes:
     """The recorded vLLM 0.32 page for `MODEL`, its running series relabelled as vllm-omni's stage `stage`."""
     page = vllm_page_with(running, MODEL)
-    old = f'{STAGE_METRIC.decode()}{{engine="0",model_name="{MODEL}"}} {running}.0'.encode()
-    new = f'{STAGE_METRIC.decode()}{{model_name="{MODEL}",replica="0",stage="{stage}"}} {running}.0'.encode()
+    old = f'{STAGE_SERIES.name.decode()}{{engine="0",model_name="{MODEL}"}} {running}.0'.encode()
+    new = f'{STAGE_SERIES.name.decode()}{{model_name="{MODEL}",replica="0",stage="{stage}"}} {running}.0'.encode()
     if page.count(old) != 1:
         raise RuntimeError("the recorded page changed: update bench.deployment")
     return page.replace(old, new)

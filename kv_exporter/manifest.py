@@ -135,7 +135,7 @@ class Declaration:
     def __post_init__(self) -> None:
         object.__setattr__(self, "scope", ModelLocalKVScope(self.scope))
         object.__setattr__(self, "rows", RowDriver(self.rows))
-        if not self.rows.scales_with_max_num_seqs:  # a count the model controls must be stated and reviewable
+        if self.rows.count_stated:  # a count the model controls must be stated and reviewable
             if self.rows_fixed < 1:
                 raise DocumentError(
                     "out_of_range", f"rows={self.rows.value} needs rows_fixed >= 1, got {self.rows_fixed}"
@@ -150,7 +150,7 @@ class Declaration:
     @classmethod
     def json_schema_rules(cls) -> dict[str, Any]:
         """__post_init__'s rule for counts the model controls, as JSON Schema says it."""
-        fixed = [driver.value for driver in RowDriver if not driver.scales_with_max_num_seqs]
+        fixed = [driver.value for driver in RowDriver if driver.count_stated]
         return {
             "if": {"properties": {"rows": {"enum": fixed}}},
             "then": {"properties": {"rows_fixed": {"minimum": 1}, "rows_reason": {"type": "string", "pattern": r"\S"}}},

@@ -50,8 +50,15 @@ class RowDriver(str, Enum):
 
     @property
     def scales_with_max_num_seqs(self) -> bool:
-        """Whether raising max_num_seqs widens the cache (what `safe_max_num_seqs` searches over)."""
-        return _SCALES_WITH_MAX_NUM_SEQS[self]  # a member without a rule fails loudly, never as max_num_seqs
+        """Whether its rows follow the engine's sequences: a row per running sequence, max_num_seqs at peak, so
+        raising max_num_seqs widens the cache (what `safe_max_num_seqs` searches over)."""
+        return _RULES[self].per_sequence  # a member without a rule fails loudly, never as max_num_seqs
+
+    @property
+    def count_stated(self) -> bool:
+        """Whether the declaration states the count itself: rows_fixed (>= 1) with a rows_reason a reviewer can
+        check, required where it is."""
+        return _RULES[self].count_stated
 
     def rows_at_ceiling(self, rows_fixed: int, max_num_seqs: int) -> int:
         """Rows live at peak, as vllm-omni counts them: rows_fixed for FIXED, max(1, max_num_seqs) for MAX_NUM_SEQS."""
@@ -62,7 +69,19 @@ class RowDriver(str, Enum):
         return rows_fixed if not self.scales_with_max_num_seqs else max(0, running)
 
 
-_SCALES_WITH_MAX_NUM_SEQS = {RowDriver.FIXED: False, RowDriver.MAX_NUM_SEQS: True}
+@dataclass(frozen=True)
+class _Rule:
+    """A driver's two facts, asked by name: they answer different questions (how its rows grow; what a declaration
+    with it must state), which two drivers happen to answer oppositely."""
+
+    per_sequence: bool
+    count_stated: bool
+
+
+_RULES = {
+    RowDriver.FIXED: _Rule(per_sequence=False, count_stated=True),
+    RowDriver.MAX_NUM_SEQS: _Rule(per_sequence=True, count_stated=False),
+}
 
 
 def kv_row_bytes(layers: int, kv_heads: int, head_dim: int, positions: int, itemsize: int) -> int:
@@ -101,7 +120,7 @@ class ModelLocalKVSpec:
         dtype_name(self.dtype)  # raises UnknownDTypeError early, at declaration time
         object.__setattr__(self, "scope", ModelLocalKVScope(self.scope))
         object.__setattr__(self, "rows", RowDriver(self.rows))
-        if not self.rows.scales_with_max_num_seqs:  # a count the model controls
+        if self.rows.count_stated:  # a count the model controls
             _positive_int("rows_fixed", self.rows_fixed)
             if not self.rows_reason.strip():
                 raise ValueError(f"{self.name}: rows=FIXED needs a rows_reason; a bare constant cannot be reviewed")

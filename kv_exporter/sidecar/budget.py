@@ -28,25 +28,31 @@ from kv_exporter.manifest import Manifest, PodInfo
 from kv_exporter.observation import CUDA_DETAILS_SINCE
 from kv_exporter.sidecar.engine_page import EngineKey
 from kv_exporter.sidecar.limits import absent_reason
-from kv_exporter.sidecar.observed import ObservedState, cuda_unavailable_reason
+from kv_exporter.sidecar.metric_spec import Per, When
+from kv_exporter.sidecar.metrics_table import rows, series
+from kv_exporter.sidecar.observed import cuda_unavailable_reason
 from kv_exporter.sidecar.records import ManifestEntry, engine_key
-from kv_exporter.sidecar.running import RunningState
 
-# The per-declaration families (bytes per row, ceiling, estimate, estimated peak, positions, info), the per-owner
-# ones (observed bytes, peak bytes where followed, cache objects, unexplained bytes; and one per reason its unreadable
-# caches have), and the per-engine ones: running, its most, its page difference, max_num_seqs, up, manifests, one
-# running state and one observation state per state, the observation's age, and the allocator's figures (at most
-# nine: allocated, reserved, peak, two high-water bounds, retries, OOMs, warm-up allocated, unexplained growth) or the
-# reason there are none; the allocator's cap and the worker's headroom under it (or the reason there is no cap), and
-# the engine's own budget (at most four: KV bytes and blocks, utilization, extensible mode).
-SERIES_PER_DECLARATION = 6
-SERIES_PER_OWNER = 4
-_ENGINE_SERIES = 6 + 1  # the six engine gauges and the observation age: labelled by engine and pod
-_CUDA_SERIES, _CUDA_DETAIL_SERIES, _CUDA_WARM_SERIES = 2, 5, 2  # by engine, GPU and pod
-_STATE_SERIES = len(ObservedState) + len(RunningState)
-SERIES_PER_ENGINE = _ENGINE_SERIES + _STATE_SERIES + _CUDA_SERIES + _CUDA_DETAIL_SERIES + _CUDA_WARM_SERIES
-# An engine only a page shows has no manifest: running, up and manifests (= 0), no max_num_seqs nor observation.
-SERIES_PER_PAGE_ENGINE = 3
+# What one entity can add, counted from the metrics table: each family with a series per declaration, per owner
+# (the peak only where every worker follows it), per engine (with one series per state of a state family), per engine
+# and GPU (the allocator's figures by how much the worker reports, the cap and headroom, the engine's own budget), and
+# one per reason an engine (and GPU) lacks allocator figures or a cap.
+SERIES_PER_DECLARATION = series(Per.DECLARATION)
+SERIES_PER_OWNER = series(Per.OWNER)
+_OWNER_SERIES_UNFOLLOWED = series(Per.OWNER) - series(Per.OWNER, When.PEAK_FOLLOWED)
+_ENGINE_SERIES = series(Per.ENGINE) + series(Per.ENGINE_STATE)  # labelled by engine and pod
+_CUDA_SERIES, _CUDA_DETAIL_SERIES, _CUDA_WARM_SERIES = (
+    series(Per.ENGINE_GPU, When.CUDA),
+    series(Per.ENGINE_GPU, When.CUDA_DETAILED),
+    series(Per.ENGINE_GPU, When.CUDA_WARM),
+)  # by engine, GPU and pod
+_CAPPED_SERIES = series(Per.ENGINE_GPU, When.CAPPED)
+_REASON_SERIES = series(Per.ENGINE_REASON)  # a manifest's workers share one reason
+_UNREADABLE_SERIES = series(Per.OWNER_REASON)  # one per (owner, reason) the manifest lists
+_ABSENT_CAP_SERIES = series(Per.ENGINE_GPU_REASON)
+SERIES_PER_ENGINE = _ENGINE_SERIES + _CUDA_SERIES + _CUDA_DETAIL_SERIES + _CUDA_WARM_SERIES
+# An engine only a page shows has no manifest: the engine families every engine has (running, up, manifests = 0).
+SERIES_PER_PAGE_ENGINE = series(Per.ENGINE, When.ALWAYS)
 # 10,000 declarations' worth: far above a real node (a few engines per GPU, a handful of caches each), and still a
 # page Prometheus takes in one scrape (~13 MB of text, ~1-2 s on two cores).
 DEFAULT_MAX_SERIES = SERIES_PER_DECLARATION * 10_000
@@ -55,7 +61,7 @@ DEFAULT_MAX_LABEL_BYTES = 8 << 20
 # The most a series line takes besides its label values: the longest name, every label name, the syntax, a value.
 # So these series take at most max_label_bytes + SERIES_LINE_BYTES * max_series of the page (~21 MB by default).
 SERIES_LINE_BYTES = 256
-_STATE_BYTES = sum(len(state.value) for state in (*ObservedState, *RunningState))
+_STATE_BYTES = sum(len(value) for row in rows(Per.ENGINE_STATE) for value in row.values)
 
 
 @dataclass(frozen=True)
@@ -124,19 +130,18 @@ def _cost(manifest: Manifest) -> Cost:
     )
     # The peak is exported only where every worker of the owner follows it: counting this one's is an upper bound.
     followed = manifest.observation is not None and manifest.observation.peaks_followed
-    owner_series = SERIES_PER_OWNER if followed else SERIES_PER_OWNER - 1
+    owner_series = SERIES_PER_OWNER if followed else _OWNER_SERIES_UNFOLLOWED
     per_owner = sum(owner_series * (where + label_size(owner)) for owner in owners)
     unreadable = manifest.observation.unreadable if manifest.observation else ()
-    per_unreadable = sum(where + label_size(u.owner) + len(u.reason.value) for u in unreadable)
+    per_unreadable = _UNREADABLE_SERIES * sum(where + label_size(u.owner) + len(u.reason.value) for u in unreadable)
     cuda = _cuda_cost(manifest, engine, where)
     limit = _limit_cost(manifest, where)
-    per_engine = (_ENGINE_SERIES + _STATE_SERIES) * engine + _STATE_BYTES + cuda.label_bytes + limit.label_bytes
+    per_engine = _ENGINE_SERIES * engine + _STATE_BYTES + cuda.label_bytes + limit.label_bytes
     series = (
         SERIES_PER_DECLARATION * len(manifest.declarations)
         + owner_series * len(owners)
-        + len(unreadable)
+        + len(unreadable) * _UNREADABLE_SERIES
         + _ENGINE_SERIES
-        + _STATE_SERIES
         + cuda.series
         + limit.series
     )
@@ -149,7 +154,9 @@ def _cuda_cost(manifest: Manifest, engine: int, where: int) -> Cost:
     cuda = None if observation is None else observation.cuda
     if cuda is None:
         reason = cuda_unavailable_reason(manifest)
-        return Cost(0, 0) if reason is None else Cost(1, engine + len(reason))
+        if reason is None:
+            return Cost(0, 0)
+        return Cost(_REASON_SERIES, _REASON_SERIES * (engine + len(reason)))
     series = _CUDA_SERIES
     if manifest.schema_version >= CUDA_DETAILS_SINCE:
         series += _CUDA_DETAIL_SERIES + (_CUDA_WARM_SERIES if cuda.warm is not None else 0)
@@ -167,8 +174,8 @@ def _limit_cost(manifest: Manifest, where: int) -> Cost:
         return cost
     reason = absent_reason(manifest)
     if reason is None:
-        return Cost(cost.series + 2, cost.label_bytes + 2 * where)
-    return Cost(cost.series + 1, cost.label_bytes + where + len(reason))
+        return Cost(cost.series + _CAPPED_SERIES, cost.label_bytes + _CAPPED_SERIES * where)
+    return Cost(cost.series + _ABSENT_CAP_SERIES, cost.label_bytes + _ABSENT_CAP_SERIES * (where + len(reason)))
 
 
 def page_engine_cost(key: EngineKey) -> Cost:

@@ -327,7 +327,9 @@ def _listen(args: argparse.Namespace, app: ExporterApp) -> ExporterServer:
                 f"--web.config.file needs the 'web' extra (pip install 'kv-exporter[web]'): {exc}"
             ) from None
         reloader = WebConfigReloader(args.web_config_file)  # refuses to start on a bad file, as the toolkit does
-        app.registry.register(ReloadStatusCollector(reloader))
+        from kv_exporter.sidecar.metrics_table import WEB_CONFIG_RELOAD as RELOAD
+
+        app.registry.register(ReloadStatusCollector(reloader, RELOAD.name, RELOAD.help))
     where = systemd_sockets() if args.systemd_socket else _listen_addresses(args)
     return build_server(where, app, reloader, limits)
 

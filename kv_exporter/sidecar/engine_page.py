@@ -33,9 +33,20 @@ from kv_exporter.document import MAX_SAFE_INT, DocumentError, check_text
 from kv_exporter.printable import DETAIL_MAX_CHARS, printable
 from kv_exporter.transport.fetch import FETCH_ERROR_REASONS, TIMEOUT, Client, FetchError
 
-STAGE_METRIC = b"vllm:num_requests_running"
-PIPELINE_METRIC = b"vllm_omni:num_requests_running"
-_PREFIXES = (STAGE_METRIC, PIPELINE_METRIC)
+
+@dataclass(frozen=True)
+class PageSeries:
+    """A series the scanner reads from an engine's page: its name, and what it gives."""
+
+    name: bytes
+    gives: str
+
+
+# The engine page's series, in one table: the scanner's search and its line grammar are made from it. (The
+# simulated engine spells vLLM's name on its own: it stands for vLLM, and a typo here must not pass against it.)
+STAGE_SERIES = PageSeries(b"vllm:num_requests_running", "the running count per engine (vLLM) or stage replica")
+PIPELINE_SERIES = PageSeries(b"vllm_omni:num_requests_running", "vllm-omni's pipeline-wide count: the idle signal")
+PAGE_SERIES = (STAGE_SERIES, PIPELINE_SERIES)
 
 DEFAULT_TIMEOUT_S = 3.0  # well below Prometheus' default 10 s scrape timeout
 DEFAULT_MAX_PAGE_BYTES = 4 << 20  # a real vLLM 0.32 page is ~57 KB; vllm-omni's ~80 KB
@@ -117,12 +128,12 @@ def scan_page(data: bytes, deadline: float | None = None) -> EnginePage:
         line = match.group()
         labels = _labels(label_text or b"", line)
         value = _count(value_text, stamp, line)
-        if name == PIPELINE_METRIC:
+        if name == PIPELINE_SERIES.name:
             _put(pipeline, _model_name(labels), value, line)
         else:
             _put(running, _engine_key(labels), value, line)
     if not running and not pipeline:
-        raise EnginePageError("no_running_series", "no vllm:num_requests_running series on the page")
+        raise EnginePageError("no_running_series", f"no {STAGE_SERIES.name.decode()} series on the page")
     return EnginePage(running, pipeline)
 
 
@@ -130,7 +141,9 @@ def scan_page(data: bytes, deadline: float | None = None) -> EnginePage:
 # for Prometheus: an invalid one). A quoted label value may hold a raw newline, as Prometheus lets it. The labels
 # repeat without ambiguity (whitespace after a value belongs to that value's pair): a failing match is linear.
 _SERIES = re.compile(
-    rb"""(vllm:num_requests_running|vllm_omni:num_requests_running)[ \t]*
+    rb"("
+    + b"|".join(re.escape(series.name) for series in PAGE_SERIES)
+    + rb""")[ \t]*
     (?:\{[ \t]*((?:[a-zA-Z_][a-zA-Z0-9_]*[ \t]*=[ \t]*"(?:\\[^\n]|[^\\"])*"[ \t]*(?:,[ \t]*)?)*)\})?
     [ \t]*([^{ \t\n]+)(?:[ \t]+([0-9]+))?[ \t]*(?:\n|\Z)""",
     re.VERBOSE,
@@ -150,7 +163,7 @@ def _series_starts(data: bytes) -> Iterator[int]:
     (`..._total`) is another metric; a hit after anything but blanks at the start of a line (a comment, a label
     value) is not a series line; one after blanks is, and malformed."""
     starts = []
-    for prefix in _PREFIXES:
+    for prefix in (series.name for series in PAGE_SERIES):
         at = data.find(prefix)
         while at != -1:
             end = at + len(prefix)

@@ -1,21 +1,14 @@
-"""Prometheus metric families from a `Snapshot`: the public metric names and labels (docs/metrics.md)."""
+"""Prometheus metric families from a `Snapshot`, each made from its row of `metrics_table` (docs/metrics.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 
+from kv_exporter.sidecar import metrics_table as table
 from kv_exporter.sidecar.buildinfo import build_info
 from kv_exporter.sidecar.declared import Declared, PlacedDeclaration, declared
-from kv_exporter.sidecar.exposition import CounterRows, GaugeRows
-from kv_exporter.sidecar.labels import (
-    DECLARATION_LABELS,
-    ENGINE_GPU_LABELS,
-    ENGINE_LABELS,
-    INFO_EXTRA_LABELS,
-    OWNER_LABELS,
-)
 from kv_exporter.sidecar.labels import (
     engine_labels as _engine,
 )
@@ -23,6 +16,7 @@ from kv_exporter.sidecar.labels import (
     pod_labels as _pod,
 )
 from kv_exporter.sidecar.memory_families import gpu_families, limit_families
+from kv_exporter.sidecar.metric_spec import MetricSpec
 from kv_exporter.sidecar.observed import Observed, ObservedState
 from kv_exporter.sidecar.records import FolderState, PageResult
 from kv_exporter.sidecar.running_families import running_families
@@ -48,20 +42,10 @@ class _Declared:
         for index, placed in enumerate(declared.ordered):
             groups.setdefault(_declaration_labels(placed), []).append(index)
         self.groups = [(labels, tuple(indices)) for labels, indices in groups.items()]
-        per_row = GaugeRows("model_local_kv_bytes_per_row", "Bytes in one row.", DECLARATION_LABELS)
-        ceiling = GaugeRows(
-            "model_local_kv_ceiling_bytes",
-            "Bytes at the engine's max_num_seqs rows (rows_fixed for driver=fixed).",
-            DECLARATION_LABELS,
-        )
-        positions = GaugeRows(
-            "model_local_kv_capacity_positions", "Positions one row can physically hold.", DECLARATION_LABELS
-        )
-        info = GaugeRows(
-            "model_local_kv_declaration_info",
-            "Declaration metadata (value 1).",
-            DECLARATION_LABELS + INFO_EXTRA_LABELS,
-        )
+        per_row = table.BYTES_PER_ROW.rows()
+        ceiling = table.CEILING.rows()
+        positions = table.CAPACITY_POSITIONS.rows()
+        info = table.DECLARATION_INFO.rows()
         ordered = declared.ordered
         for labels, at in self.groups:
             first = ordered[at[0]].declaration
@@ -74,19 +58,8 @@ class _Declared:
 
     def families(self, views: Sequence[DeclarationView]) -> list[Metric]:
         """`views`: the declarations of this `Declared`, in its order, at this scrape's running counts."""
-        estimate = GaugeRows(
-            "model_local_kv_estimated_bytes",
-            "Bytes at the sequences the engine runs now (its workers' latest step, else its page), capped at "
-            "max_num_seqs (rows_fixed for driver=fixed; 0 rows for driver=max_num_seqs while that is unknown).",
-            DECLARATION_LABELS,
-        )
-        peak = GaugeRows(
-            "model_local_kv_estimated_peak_bytes",
-            "Bytes at the most sequences any step of the engine's workers ran over the last --running-window "
-            "seconds, capped at max_num_seqs (rows_fixed for driver=fixed); absent where no worker keeps a step "
-            "record.",
-            DECLARATION_LABELS,
-        )
+        estimate = table.ESTIMATED.rows()
+        peak = table.ESTIMATED_PEAK.rows()
         held = [v.estimate_bytes for v in views]
         most = [v.peak_bytes for v in views]
         for labels, at in self.groups:
@@ -113,20 +86,11 @@ class DeclarationFamilies:
 
 
 def engine_families(engines: Sequence[EngineView], pages: Sequence[PageResult]) -> list[Metric]:
-    running = GaugeRows(
-        "model_local_kv_running_sequences",
-        "Sequences the engine runs now: its workers' latest step (a step that ended over a second ago: 0), or, for "
-        "workers that keep no step record, its metrics page's running count at the scrape.",
-        ENGINE_LABELS,
-    )
+    running = table.RUNNING.rows()
 
-    max_seqs = GaugeRows("model_local_kv_max_num_seqs", "max_num_seqs from its manifests.", ENGINE_LABELS)
-    up = GaugeRows("model_local_kv_engine_up", "1 if its running count was read this scrape.", ENGINE_LABELS)
-    manifests = GaugeRows(
-        "model_local_kv_engine_manifests",
-        "Live valid manifests matched to this engine (0: the engine runs but declares nothing here).",
-        ENGINE_LABELS,
-    )
+    max_seqs = table.MAX_NUM_SEQS.rows()
+    up = table.ENGINE_UP.rows()
+    manifests = table.ENGINE_MANIFESTS.rows()
     labelled = [((*_engine(view.key), *_pod(view.pod)), view) for view in engines]
     for labels, view in labelled:
         if view.running is not None:
@@ -135,35 +99,18 @@ def engine_families(engines: Sequence[EngineView], pages: Sequence[PageResult]) 
             max_seqs.add_metric(labels, view.max_num_seqs)
         up.add_metric(labels, int(view.up))
         manifests.add_metric(labels, view.manifests)
-    page_up = GaugeRows("model_local_kv_engine_page_up", "1 if the page was fetched and read.", ("target",))
+    page_up = table.ENGINE_PAGE_UP.rows()
     for page in pages:
         page_up.add_metric((page.target,), int(page.page is not None))
-    most, state, difference = running_families(labelled, ENGINE_LABELS)
+    most, state, difference = running_families(labelled)
     return [running, most, max_seqs, up, manifests, state, difference, page_up]
 
 
 def observed_families(observed: Observed) -> list[Metric]:
-    held = GaugeRows(
-        "model_local_kv_observed_bytes",
-        "Storage the owner's live model-local KV holds at the engine's last observation (transformers caches, KV in a "
-        "declaring owner's own state, known cache classes' buffers), each storage counted "
-        "once, summed over the engine's workers on this GPU (0: a declaring owner holding nothing).",
-        OWNER_LABELS,
-    )
-    peak = GaugeRows(
-        "model_local_kv_observed_peak_bytes",
-        "The most the owner's live model-local KV held at any instant between the engine's last two "
-        "observations (caches a step makes and frees included), each storage counted once, summed over its workers; "
-        "absent where a worker does not follow it (KV_EXPORTER_OBSERVE_PEAK=0).",
-        OWNER_LABELS,
-    )
-    caches = GaugeRows("model_local_kv_observed_caches", "Live cache objects the owner holds.", OWNER_LABELS)
-    unexplained = GaugeRows(
-        "model_local_kv_unexplained_bytes",
-        "max(0, observed peak - the owner's declared ceiling at max_num_seqs), the observed figure at the sample "
-        "where the peak is not followed; all of it for an owner declaring nothing.",
-        OWNER_LABELS,
-    )
+    held = table.OBSERVED_BYTES.rows()
+    peak = table.OBSERVED_PEAK.rows()
+    caches = table.OBSERVED_CACHES.rows()
+    unexplained = table.UNEXPLAINED.rows()
     for owner in observed.owners:
         where = owner.placement
         labels: tuple[str, ...] = (*_engine(owner.key), owner.owner, where.gpu, where.uuid, *_pod(owner.pod))
@@ -172,27 +119,12 @@ def observed_families(observed: Observed) -> list[Metric]:
             peak.add_metric(labels, owner.peak_bytes)
         caches.add_metric(labels, owner.caches)
         unexplained.add_metric(labels, owner.unexplained_bytes)
-    unreadable = GaugeRows(
-        "model_local_kv_observed_unreadable_caches",
-        "Live caches of the owner its workers could not read, by reason (no_layers, layers_raised, not_a_tensor, "
-        "no_storage, not_followed): left out of its observed figures.",
-        (*OWNER_LABELS, "reason"),
-    )
+    unreadable = table.UNREADABLE_CACHES.rows()
     for bad in observed.unreadable:
         labels = (*_engine(bad.key), bad.owner, bad.placement.gpu, bad.placement.uuid, *_pod(bad.pod), bad.reason)
         unreadable.add_metric(labels, bad.caches)
-    state = GaugeRows(
-        "model_local_kv_observation_state",
-        "1 for the state of the engine's observation (the worst of its workers'), 0 for the others: ok, off, "
-        "unavailable, failing, stale (the sampler stopped), absent (the manifest has none), rejected (unreadable, or "
-        "dated ahead of the sidecar's clock).",
-        (*ENGINE_LABELS, "state"),
-    )
-    age = GaugeRows(
-        "model_local_kv_observation_age_seconds",
-        "Seconds since the oldest usable sample of the engine's workers.",
-        ENGINE_LABELS,
-    )
+    state = table.OBSERVATION_STATE.rows()
+    age = table.OBSERVATION_AGE.rows()
     for engine in observed.engines:
         labels = (*_engine(engine.key), *_pod(engine.pod))
         for name in ObservedState:
@@ -204,55 +136,15 @@ def observed_families(observed: Observed) -> list[Metric]:
 
 def _cuda_families(observed: Observed) -> list[Metric]:
     """The workers' allocator figures (observe/cuda.py), and why a worker has none."""
-    allocated = GaugeRows(
-        "model_local_kv_observed_cuda_allocated_bytes",
-        "torch.cuda.memory_allocated() of the engine's workers on this GPU, at their last observation.",
-        ENGINE_GPU_LABELS,
-    )
-    reserved = GaugeRows(
-        "model_local_kv_observed_cuda_reserved_bytes",
-        "torch.cuda.memory_reserved() of the engine's workers on this GPU, at their last observation.",
-        ENGINE_GPU_LABELS,
-    )
-    peak = GaugeRows(
-        "model_local_kv_observed_cuda_peak_bytes",
-        "The most torch's allocator held on this GPU since its peak was last reset (by vLLM's profiler at start-up; "
-        "kv-exporter never resets it), summed over the engine's workers.",
-        ENGINE_GPU_LABELS,
-    )
-    high_water = GaugeRows(
-        "model_local_kv_observed_cuda_high_water_bytes",
-        "At most the most torch's allocator held between the engine's last two observations: its peak where that "
-        "rose in between (exact), else bounded by the peak and by what was allocated in between.",
-        ENGINE_GPU_LABELS,
-    )
-    floor = GaugeRows(
-        "model_local_kv_observed_cuda_high_water_floor_bytes",
-        "At least the most torch's allocator held between the engine's last two observations (the larger of the two "
-        "samples' allocated, or the risen peak); equal to the high-water figure where that is exact.",
-        ENGINE_GPU_LABELS,
-    )
-    warm = GaugeRows(
-        "model_local_kv_observed_cuda_warm_allocated_bytes",
-        "torch.cuda.memory_allocated() when the engine's warm-up ended (its KV budget sized, its graphs captured).",
-        ENGINE_GPU_LABELS,
-    )
-    growth = GaugeRows(
-        "model_local_kv_observed_cuda_unexplained_growth_bytes",
-        "Allocated now minus at the end of warm-up, less what the observed model-local KV grew by in that time: "
-        "memory no declaration and no observed cache explains (negative where less is held than after warm-up).",
-        ENGINE_GPU_LABELS,
-    )
-    retries = CounterRows(
-        "model_local_kv_observed_cuda_alloc_retries",
-        "Allocations torch's allocator retried after freeing its cache (num_alloc_retries): memory pressure.",
-        ENGINE_GPU_LABELS,
-    )
-    ooms = CounterRows(
-        "model_local_kv_observed_cuda_ooms",
-        "Allocations torch's allocator failed for good: out-of-memory errors raised in the worker (num_ooms).",
-        ENGINE_GPU_LABELS,
-    )
+    allocated = table.CUDA_ALLOCATED.rows()
+    reserved = table.CUDA_RESERVED.rows()
+    peak = table.CUDA_PEAK.rows()
+    high_water = table.CUDA_HIGH_WATER.rows()
+    floor = table.CUDA_HIGH_WATER_FLOOR.rows()
+    warm = table.CUDA_WARM_ALLOCATED.rows()
+    growth = table.CUDA_UNEXPLAINED_GROWTH.rows()
+    retries = table.CUDA_ALLOC_RETRIES.rows()
+    ooms = table.CUDA_OOMS.rows()
     for cuda in observed.cuda:
         labels = (*_engine(cuda.key), cuda.placement.gpu, cuda.placement.uuid, *_pod(cuda.pod))
         allocated.add_metric(labels, cuda.allocated_bytes)
@@ -267,95 +159,45 @@ def _cuda_families(observed: Observed) -> list[Metric]:
         if cuda.warm_allocated_bytes is not None and cuda.unexplained_growth_bytes is not None:
             warm.add_metric(labels, cuda.warm_allocated_bytes)
             growth.add_metric(labels, cuda.unexplained_growth_bytes)
-    unavailable = GaugeRows(
-        "model_local_kv_observed_cuda_unavailable",
-        "Workers of the engine whose observation has no allocator figures, by reason: not_cuda (a CPU worker), "
-        "not_initialised, not_attached (model not loaded yet), no_index, stats_failed, refused (figures torch's "
-        "allocator could never give together, counted in model_local_kv_observation_errors_total).",
-        (*ENGINE_LABELS, "reason"),
-    )
+    unavailable = table.CUDA_UNAVAILABLE.rows()
     for missing in observed.cuda_unavailable:
         unavailable.add_metric((*_engine(missing.key), *_pod(missing.pod), missing.reason), missing.workers)
     return [allocated, reserved, peak, high_water, floor, warm, growth, retries, ooms, unavailable]
 
 
 def exporter_families(snapshot: Snapshot) -> list[Metric]:
-    nvml_up = GaugeMetricFamily(
-        "model_local_kv_nvml_up",
-        "1 if the GPU reader (NVML or simulated) answered this scrape.",
-        value=int(snapshot.gpu.up),
-    )
-    manifests = GaugeRows("model_local_kv_manifests", "Manifest files by state.", ("state",))
+    nvml_up = table.NVML_UP.single(int(snapshot.gpu.up))
+    manifests = table.MANIFESTS.rows()
     for state, count in snapshot.manifest_counts().items():
         manifests.add_metric((state.value,), count)
-    folder = GaugeRows(
-        "model_local_kv_manifest_folder_state",
-        "1 for what listing the manifest folder (--manifest-dir) found this scrape, 0 for the others: ok, missing, "
-        "unreadable (permissions, I/O), not_a_folder.",
-        ("state",),
-    )
+    folder = table.MANIFEST_FOLDER_STATE.rows()
     for folder_state in FolderState:
         folder.add_metric((folder_state.value,), int(folder_state is snapshot.manifest_folder_state))
-    manifest_errors = _counter(
-        "model_local_kv_manifest_errors",
-        "Invalid manifest file versions seen, by reason.",
-        ("reason",),
-        sorted(((reason,), count) for reason, count in snapshot.manifest_errors_total.items()),
-    )
-    page_errors = _counter(
-        "model_local_kv_engine_page_errors",
-        "Failed engine page reads, by target and reason.",
-        ("target", "reason"),
-        _by_configured_target(snapshot.page_errors_total),
-    )
-    nvml_errors = _counter(
-        "model_local_kv_nvml_errors",
-        "Failed GPU reader calls, by reason.",
-        ("reason",),
-        sorted(((reason,), count) for reason, count in snapshot.nvml_errors_total.items()),
-    )
-    observation_errors = _counter(
-        "model_local_kv_observation_errors",
-        "Observations (or their allocator figures alone) refused and never exported as figures, by reason: "
-        "unreadable ones once per file version, stale ones once per sample, ones from a dead process once per file "
-        "version.",
-        ("reason",),
-        sorted(((reason,), count) for reason, count in snapshot.observation_errors_total.items()),
-    )
-    dropped = GaugeMetricFamily(
-        "model_local_kv_series_limit_dropped_manifests",
-        "Live manifests left out of this page because their series would exceed --max-series or "
-        "--max-label-bytes (each left out alone, in file-name order).",
-        value=len(snapshot.series_dropped),
-    )
-    engines_dropped = GaugeMetricFamily(
-        "model_local_kv_series_limit_dropped_engines",
-        "Engines that only an engine page shows (no live manifest declares them) left out of this page because "
-        "their series would exceed --max-series or --max-label-bytes.",
-        value=snapshot.engines_dropped,
-    )
-    duration = GaugeMetricFamily(
-        "model_local_kv_scrape_duration_seconds", "Seconds the collection took.", value=snapshot.duration_s
-    )
+    errors = [
+        _counter(table.MANIFEST_ERRORS, _by_reason(snapshot.manifest_errors_total)),
+        _counter(table.ENGINE_PAGE_ERRORS, _by_configured_target(snapshot.page_errors_total)),
+        _counter(table.NVML_ERRORS, _by_reason(snapshot.nvml_errors_total)),
+        _counter(table.OBSERVATION_ERRORS, _by_reason(snapshot.observation_errors_total)),
+    ]
+    dropped = table.DROPPED_MANIFESTS.single(len(snapshot.series_dropped))
+    engines_dropped = table.DROPPED_ENGINES.single(snapshot.engines_dropped)
+    duration = table.SCRAPE_DURATION.single(snapshot.duration_s)
     info = build_info()
-    build = GaugeRows(
-        "model_local_kv_exporter_build_info",
-        "kv-exporter's version, source revision and Python version (value 1).",
-        ("version", "revision", "pythonversion"),
-    )
+    build = table.BUILD_INFO.rows()
     build.add_metric((info.version, info.revision, info.python_version), 1)
-    errors = [manifest_errors, page_errors, nvml_errors, observation_errors]
     return [nvml_up, manifests, folder, *errors, dropped, engines_dropped, duration, build]
 
 
-def _counter(
-    name: str, doc: str, labels: tuple[str, ...], counts: Iterable[tuple[tuple[str, ...], int]]
-) -> CounterMetricFamily:
+def _counter(spec: MetricSpec, counts: Iterable[tuple[tuple[str, ...], int]]) -> CounterMetricFamily:
     """Series in the order of `counts`."""
-    counter = CounterMetricFamily(name, doc, labels=list(labels))
+    counter = CounterMetricFamily(spec.name, spec.help, labels=list(spec.labels))
     for label_values, count in counts:
         counter.add_metric(label_values, count)
     return counter
+
+
+def _by_reason(counts: dict[str, int]) -> list[tuple[tuple[str, ...], int]]:
+    return sorted(((reason,), count) for reason, count in counts.items())
 
 
 def _by_configured_target(counts: dict[tuple[str, str], int]) -> list[tuple[tuple[str, ...], int]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from kv_exporter.manifest import PodInfo
 from kv_exporter.sidecar.engine_page import EngineKey
-from kv_exporter.sidecar.snapshot import GpuView
 
 # The worker's pod, as kube-state-metrics and dcgm-exporter name it ("" outside Kubernetes).
 POD_LABELS = ("pod", "namespace", "container")
@@ -23,7 +22,3 @@ def pod_labels(pod: PodInfo) -> tuple[str, str, str]:
 
 def engine_labels(key: EngineKey) -> tuple[str, str, str]:
     return (key.model_name, str(key.stage), str(key.engine))
-
-
-def gpu_labels(view: GpuView) -> tuple[str, ...]:
-    return (str(view.memory.index), view.memory.uuid, view.source, *pod_labels(view.pod))

@@ -139,20 +139,14 @@ class WebConfigReloader:
         logger.info("web config reloaded from %s", self.path)
 
 
-RELOAD_METRIC = "model_local_kv_web_config_last_reload_successful"
-
-
 class ReloadStatusCollector(Collector):
     """Whether the last change to the web config (or a certificate it names) could be loaded, as a metric."""
 
-    def __init__(self, reloader: WebConfigReloader) -> None:
+    def __init__(self, reloader: WebConfigReloader, name: str, documentation: str) -> None:
+        """`name`, `documentation`: the metric's, as the sidecar's table gives them (the web config knows no table)."""
         self.reloader = reloader
+        self.name, self.documentation = name, documentation
 
     def collect(self) -> Iterable[Metric]:
         self.reloader.current()  # notice an edit even if no request looked since (at most one check a second)
-        yield GaugeMetricFamily(
-            RELOAD_METRIC,
-            "1 if the web config in force is the file as it is now; 0 while a broken edit is refused and the "
-            "last good config serves.",
-            value=int(self.reloader.last_reload_ok),
-        )
+        yield GaugeMetricFamily(self.name, self.documentation, value=int(self.reloader.last_reload_ok))

@@ -20,8 +20,8 @@ from kv_exporter.reference import MIMO_AUDIO, QWEN3_TTS, REFERENCE_MODELS
 from kv_exporter.sidecar.arguments import parse_simulated_gpu, parse_size
 from kv_exporter.sidecar.buildinfo import build_info
 from kv_exporter.sidecar.cli import main
+from kv_exporter.sidecar.metrics_table import WEB_CONFIG_RELOAD
 from kv_exporter.sidecar.units import human_bytes
-from kv_exporter.web.reload import RELOAD_METRIC
 from tests.support.constants import GIB, REPO
 from tests.support.manifests import live_manifest, reference_manifest
 from tests.support.sidecar import sidecar
@@ -194,7 +194,7 @@ def test_demo_shows_every_contract_metric(tmp_path: Path) -> None:
         folder = Path(match.group(1))
         assert folder.is_dir()
         assert demo.stop() == 0
-    missing = contract_names() - metric_names(text) - {RELOAD_METRIC}  # that one needs --web.config.file
+    missing = contract_names() - metric_names(text) - {WEB_CONFIG_RELOAD.name}  # that one needs --web.config.file
     assert not missing, missing
     for model in REFERENCE_MODELS:
         assert f'model_name="{model.model_name}"' in text

@@ -10,6 +10,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kv_exporter.sidecar.engine_page import (
     DEFAULT_MAX_PAGE_BYTES,
+    PAGE_SERIES,
+    PIPELINE_SERIES,
+    STAGE_SERIES,
     EngineKey,
     EnginePageError,
     EngineTarget,
@@ -271,3 +274,16 @@ def test_scanning_a_large_page_is_bounded_by_the_engine_deadline() -> None:
     assert info.value.reason == "timeout" and "series" in info.value.detail
     assert took < 0.3 + 0.25, took
     assert len(scan_page(body).running) == 37_000  # without a deadline, all of it
+
+
+def test_the_page_series_table_names_what_real_pages_print() -> None:
+    """The scanner's two series, as its table spells them, are families the recorded real servers printed; each is
+    read from a page holding it alone."""
+    printed = {
+        family.name for page in (VLLM_PAGE, OMNI_PAGE) for family in text_string_to_metric_families(page.read_text())
+    }
+    assert {series.name.decode() for series in PAGE_SERIES} <= printed
+    page = scan_page(f'{PIPELINE_SERIES.name.decode()}{{model_name="m"}} 0\n'.encode())
+    assert page.pipeline_running == {"m": 0} and page.running == {}
+    page = scan_page(f'{STAGE_SERIES.name.decode()}{{model_name="m",stage="1",replica="2"}} 3\n'.encode())
+    assert page.running == {EngineKey("m", 1, 2): 3}

@@ -18,8 +18,7 @@ from kv_exporter.reference import QWEN3_TTS
 from kv_exporter.sidecar.app import ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
 from kv_exporter.sidecar.engine_page import EngineTarget
-from kv_exporter.sidecar.exposition import CounterRows, Exposition, Fixed
-from kv_exporter.sidecar.families import GaugeRows
+from kv_exporter.sidecar.exposition import CounterRows, Exposition, Fixed, GaugeRows
 from kv_exporter.sidecar.simulated_engine import SimulatedEngine
 from tests.support.manifests import reference_manifest
 from tests.support.pages import vllm_page_with

@@ -151,6 +151,7 @@ def test_every_row_driver_has_its_rules() -> None:
     for driver in RowDriver:
         assert driver.rows_at_ceiling(3, 0) >= 1 and driver.rows_running(3, 0) >= 0
     assert [d for d in RowDriver if d.scales_with_max_num_seqs] == [RowDriver.MAX_NUM_SEQS]
+    assert [d for d in RowDriver if d.count_stated] == [RowDriver.FIXED]
 
 
 CONTRACTS = PACKAGE.parent / "docs/CONTRACTS.md"
