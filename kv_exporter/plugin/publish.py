@@ -140,7 +140,7 @@ def log_summary(manifest: Manifest, path: Path | None) -> None:
         path if path is not None else "not written",
     )
     for d in manifest.declarations:
-        driver = d.rows.value if d.rows.scales_with_max_num_seqs else f"{d.rows.value}({d.rows_fixed}; {d.rows_reason})"
+        driver = f"{d.rows.value}({d.rows_fixed}; {d.rows_reason})" if d.rows.count_stated else d.rows.value
         logger.info(
             "  %s.%s: %.2f MiB (%d rows from %s x %d B/row, scope=%s, %d positions from %s)",
             d.owner or "<root>",
