@@ -1,5 +1,7 @@
 """Where one scrape's time goes: the benchmark deployment, the exporter in this process, pyinstrument over N
-scrapes, plus a per-phase breakdown (manifests, liveness, step records, GPUs, snapshot, families, encoding, gzip).
+scrapes, plus a per-phase breakdown (manifests, liveness, step records, GPUs, snapshot, families, encoding, gzip),
+and the HTTP split: the same server answering its page, the same server answering one constant page (its transport
+alone), and the floor (`bench.floor_server`, a raw socket server) answering those bytes, scraped in alternating blocks.
 
     .venv/bin/python -m bench.profile_scrape [--declarations N] [--scrapes N] [--html FILE]
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -20,8 +24,19 @@ from typing import Any
 
 from prometheus_client.exposition import choose_encoder
 
-from bench.benchlib import PROMETHEUS_HEADERS, children, format_stats, summarize
+from bench.benchlib import (
+    PROMETHEUS_HEADERS,
+    Children,
+    Scraper,
+    Subject,
+    children,
+    format_stats,
+    interleaved,
+    load_average,
+    summarize,
+)
 from bench.deployment import SCRAPE_LAYOUT, Layout, scaling_layout, start_engines, wait_for_records, write_deployment
+from bench.floor_server import capture_response, start_floor
 from bench.sidecar import SimulatedGpus
 from kv_exporter.sidecar.app import GZIP_LEVEL, ExporterApp
 from kv_exporter.sidecar.collection import Collection, CollectionSettings
@@ -29,6 +44,7 @@ from kv_exporter.sidecar.exposition import Fixed
 from kv_exporter.sidecar.families import families
 from kv_exporter.sidecar.inputs import assess, read_gpus
 from kv_exporter.sidecar.running import engines_running
+from kv_exporter.sidecar.server import build_server, serve_in_thread
 from kv_exporter.sidecar.snapshot import build_snapshot
 from tests.support.constants import GPU_TOTAL, GPU_USED
 
@@ -86,9 +102,41 @@ def main() -> int:
                 step()
                 samples.append((time.perf_counter() - started) * 1000)
             print(f"  {name:<28} {format_stats(summarize(samples))}")
+        http_split(kids, app, Path(tmp), args.scrapes)
         profile(app, args.scrapes, args.html)
         collection.close()
     return 0
+
+
+def http_split(kids: Children, app: ExporterApp, folder: Path, scrapes: int) -> None:
+    """The scrape over HTTP against its transport alone and the floor: which part of the distance to the floor is
+    the server's and which the page's making."""
+    body, headers = app.metrics(PROMETHEUS_HEADERS["Accept"], "gzip")
+    floor_pid, floor_port = start_floor(kids, capture_response(body, headers), folder)
+    server = build_server("127.0.0.1:0", app)
+    serve_in_thread(server)
+    port = server.server_address[1]
+    made = app.metrics
+
+    def constant(accept: str | None, accept_encoding: str | None) -> tuple[bytes, dict[str, str]]:
+        return body, headers
+
+    arms = {"the page": made, "one constant page": constant}
+    subjects = {name: Subject(os.getpid(), Scraper("127.0.0.1", port)) for name in arms}
+    subjects["the floor"] = Subject(floor_pid, Scraper("127.0.0.1", floor_port))
+    for _ in range(max(1, scrapes // 50)):  # the two arms of one server swap in blocks of 50
+        for name, page in arms.items():
+            app.metrics = page  # type: ignore[method-assign]
+            interleaved({name: subjects[name]}, 50, block=50)
+        interleaved({"the floor": subjects["the floor"]}, 50, block=50)
+    app.metrics = made  # type: ignore[method-assign]
+    server.shutdown()
+    server.server_close()
+    floor = statistics.median(subjects["the floor"].samples)
+    print(f"over HTTP (load {load_average()}): median ms, and against the floor")
+    for name, subject in subjects.items():
+        median = statistics.median(subject.samples)
+        print(f"  {name:<28} {median:.3f} ms  {median / floor:.1f}x")
 
 
 def profile(app: ExporterApp, scrapes: int, html: Path | None) -> None:
