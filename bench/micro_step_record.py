@@ -70,11 +70,10 @@ class Runner:
 
 
 def mapped(folder: Path) -> mmap.mmap:
-    """A record file mapped writable, as `kv_exporter.plugin.steps` maps it."""
-    path = folder / "bench.steps"
-    path.write_bytes(new_record(os.getpid(), 0))
-    fd = os.open(path, os.O_RDWR)
+    """A new record file mapped writable, as `kv_exporter.plugin.steps` maps it."""
+    fd, _ = tempfile.mkstemp(suffix=".steps", dir=folder)
     try:
+        os.write(fd, new_record(os.getpid(), 0))
         return mmap.mmap(fd, RECORD_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
