@@ -365,12 +365,15 @@ median of the pairs' ratios, off / on (the decode rate on against off), with the
 scheduling and output handling, ~30% more a step, are left out), so the ratio overstates the share of a whole step.
 A cache made in an "off" step is never tracked, and one made in an "on" step and released in an "off" one charges its
 release to "off": the long-lived per-request caches (a few percent of what the hooks see a step here).
-The step record alone: before every step, outside its timing, one call through the step record's writer around a
-plain function with that step's scheduler output and one call of the plain function, in random order, each timed
-(perf_counter_ns); the first of the two meets the step's cold caches, so the record's cost a step is its call's
-median less the plain call's in the same position, averaged over both positions. The plain function reads what the
-writer reads (`len(scheduler_output.num_scheduled_tokens)`, as every runner does in its step). --control: the plain
-function twice, so the figure shows what the timing resolves.
+The step record alone: before every step, outside its timing, one call each, in random order, with that step's
+scheduler output, each timed (perf_counter_ns): a plain function; a Python function calling it (the least any
+wrapper adds); the step record's writer around it with its record closed (its C-to-Python call alone); the writer.
+The first call meets the step's cold caches, so each arm's cost is its median less the plain call's in the same
+position: first, and later (second to last, pooled); the record's cost a step is the writer's, averaged over the
+two. The plain function reads what the writer reads (`len(scheduler_output.num_scheduled_tokens)`, as every runner
+does in its step). The probe's wrapped call returns at once, so its end (the record's second write and the return
+into C) is warm; in a real step it follows the model's forward, cold (`bench.micro_step_record` times both sides).
+--control: the plain function in every arm, so the figures show what the timing resolves.
 """
 
 
@@ -397,9 +400,9 @@ def per_step(report: Report, waves: int, tokens: int, interval: str, control: bo
             server.stop()
     assert state is ObservationState.OK, state
     pairs: dict[int, dict[bool, float]] = collections.defaultdict(dict)
-    probes: list[tuple[int, int, bool]] = []
-    for pair, on, sequences, decode, ns, probe_wrapped, probe_plain, wrapped_first in times:
-        probes.append((probe_wrapped, probe_plain, wrapped_first))
+    probes: list[dict[str, tuple[int, int]]] = []
+    for pair, on, sequences, decode, ns, probe in times:
+        probes.append(probe)
         if sequences == MAX_NUM_SEQS and decode:
             pairs[pair][on] = ns / 1e6
     whole = [arms for arms in pairs.values() if len(arms) == 2]
@@ -418,7 +421,7 @@ def per_step(report: Report, waves: int, tokens: int, interval: str, control: bo
         f"{statistics.median([a[False] for a in whole]) / statistics.median([a[True] for a in whole]):.4f}",
     )
     report.note("decode rate on / off: median of pairs (95% interval)", f"{ratio:.4f} ({low:.4f}-{high:.4f})")
-    record_ns = record_cost(report, probes, control)
+    record_ns = record_cost(report, probes)
     if not control:
         report.check(
             f"the step record costs at most {RECORD_BUDGET_NS} ns a step (median, in the worker)",
@@ -428,22 +431,28 @@ def per_step(report: Report, waves: int, tokens: int, interval: str, control: bo
     return ratio
 
 
-def record_cost(report: Report, probes: list[tuple[int, int, bool]], control: bool) -> float:
-    """The step record's cost a step: its call's median less the plain call's, each where it came first (cold) and
-    where it came second, averaged over the two positions (control: two plain calls, so ~0)."""
+def record_cost(report: Report, probes: list[dict[str, tuple[int, int]]]) -> float:
+    """The step record's cost a step: the writer's median less the plain call's, each where it came first (cold) and
+    where it came later, averaged over the two (control: plain calls in every arm, so ~0). Beside it, the same for
+    every arm of the probe."""
 
-    def median_ns(wrapped: bool, first: bool) -> float:
-        return statistics.median(p[0] if wrapped else p[1] for p in probes if p[2] == (wrapped == first))
+    def median_ns(arm: str, first: bool) -> float:
+        return statistics.median(probe[arm][0] for probe in probes if (probe[arm][1] == 0) == first)
 
-    cold = median_ns(True, True) - median_ns(False, True)
-    warm = median_ns(True, False) - median_ns(False, False)
-    what = "the probe's second plain call (control)" if control else "the step record's writer"
-    report.note(f"{what}: median ns over {len(probes)} steps, called first / second", f"{cold:.0f} / {warm:.0f}")
+    plain = (median_ns("plain", True), median_ns("plain", False))
     report.note(
-        "the plain call alone: median ns called first / second",
-        f"{median_ns(False, True):.0f} / {median_ns(False, False):.0f}",
+        f"the probe's plain call: median ns over {len(probes)} steps, called first / later",
+        f"{plain[0]:.0f} / {plain[1]:.0f}",
     )
-    return (cold + warm) / 2
+    costs = {}
+    for arm in probes[0]:
+        cold, warm = median_ns(arm, True) - plain[0], median_ns(arm, False) - plain[1]
+        costs[arm] = (cold + warm) / 2
+        report.note(
+            f"the probe's {arm!r} less plain: ns called first / later / mean",
+            f"{cold:+.0f} / {warm:+.0f} / {costs[arm]:+.0f}",
+        )
+    return costs["writer"]
 
 
 def median_interval(values: list[float]) -> tuple[float, float]:

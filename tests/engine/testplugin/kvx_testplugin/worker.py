@@ -74,7 +74,13 @@ def _plain(scheduler_output: Any) -> Any:
     return len(scheduler_output.num_scheduled_tokens)
 
 
-StepTime = tuple[int, bool, int, bool, int, int, int, bool]
+def _passthrough(scheduler_output: Any) -> Any:
+    """The least any wrapper does: a Python function that calls the plain one (Python to Python, no C frame)."""
+    return _plain(scheduler_output)
+
+
+# (pair, hooks on, sequences, a decode step: one token each, ns; the probe: each arm's ns and position, 0 first)
+StepTime = tuple[int, bool, int, bool, int, dict[str, tuple[int, int]]]
 
 
 class StepArms:
@@ -87,24 +93,32 @@ class StepArms:
     measured apart). Two adjacent steps share the machine's load of the moment, so a pair's ratio leaves most of
     this shared machine's drift out; a switch happens before a step, outside its timing, and costs both arms alike.
 
-    Before each step, outside its timing, the probe times one call of the step record's writer around a plain
-    function with this step's scheduler output, and one of the plain function alone, in random order (control: the
-    plain function twice): what the record itself costs a step, in the worker, against what the timing resolves. The
-    plain function reads what the writer reads, `len(scheduler_output.num_scheduled_tokens)`, as every runner does
-    in its step: the difference is the writer's own work."""
+    Before each step, outside its timing, the probe times one call each, in random order, with this step's scheduler
+    output: a plain function ("plain"), a Python function calling it ("python": the least any wrapper adds),
+    the step record's writer around it with its record closed ("closed": its C-to-Python call alone) and the writer
+    ("writer"; control: the plain function in every arm): what the record itself costs a step, in the worker,
+    against what the timing resolves. The plain function reads what the writer reads,
+    `len(scheduler_output.num_scheduled_tokens)`, as every runner does in its step: the difference is the
+    wrapper's own work."""
 
     def __init__(self, installed: registry.Registry, runner: Any, control: bool = False) -> None:
         self._control = control  # both arms on: what the arms differ by when nothing tells them apart
         self._runner = runner
         self._record_wrapper = vars(runner)["execute_model"]  # the hook's, on the instance
         assert isinstance(self._record_wrapper, StepWrapper)
-        self._probe = StepWrapper(_plain, Record(bytearray(new_record(0, 0))))
+        closed, writer = (Record(bytearray(new_record(0, 0))) for _ in range(2))
+        closed.close()
+        probes: dict[str, Callable[[Any], Any]] = {
+            "plain": _plain,
+            "python": _passthrough,
+            "closed": StepWrapper(_plain, closed),
+            "writer": StepWrapper(_plain, writer),
+        }
+        self._probes = dict.fromkeys(probes, _plain) if control else probes
         self._hooks = installed.step_switch()
         self._current: bool | None = None
         self._pair = 0
         self._second: bool | None = None  # the arm the pair's second step runs
-        # (pair, hooks on, sequences, a decode step: one token each, ns; the probe: the writer's ns, the plain call's
-        # ns, whether the writer's call came first)
         self.times: list[StepTime] = []
 
     def choose(self) -> tuple[int, bool]:
@@ -126,24 +140,18 @@ class StepArms:
             vars(self._runner).pop("execute_model", None)
         self._current = on
 
-    def probe(self, scheduler_output: Any) -> tuple[int, int, bool]:
-        """(ns of one call through the step record's writer, ns of one plain call, whether the writer's came first):
-        the first call of the two meets the step's cold caches, so the order is random and kept."""
-        wrapped = _plain if self._control else self._probe
+    def probe(self, scheduler_output: Any) -> dict[str, tuple[int, int]]:
+        """Each arm's (ns of one call, position): the first call meets the step's cold caches, so the order is random
+        and kept."""
+        order = random.sample(list(self._probes), len(self._probes))
         clock = time.perf_counter_ns
-        if random.random() < 0.5:
+        times = {}
+        for position, name in enumerate(order):
+            call = self._probes[name]
             a = clock()
-            wrapped(scheduler_output)
-            b = clock()
-            _plain(scheduler_output)
-            c = clock()
-            return b - a, c - b, True
-        a = clock()
-        _plain(scheduler_output)
-        b = clock()
-        wrapped(scheduler_output)
-        c = clock()
-        return c - b, b - a, False
+            call(scheduler_output)
+            times[name] = (clock() - a, position)
+        return times
 
 
 class KvxRequestsCPUModelRunner(CPUModelRunner):
@@ -189,7 +197,7 @@ class KvxRequestsCPUWorker(cpu_worker.CPUWorker):
             elapsed = time.perf_counter_ns() - started
             scheduled = scheduler_output.num_scheduled_tokens
             decode = bool(scheduled) and max(scheduled.values()) == 1
-            arms.times.append((pair, on, len(scheduled), decode, elapsed, *probe))
+            arms.times.append((pair, on, len(scheduled), decode, elapsed, probe))
 
     def kvx_observation(self, state: str) -> str:
         """ "paused": the sampler stopped and new caches untracked, as near observation off as a process that has
