@@ -292,7 +292,7 @@ def test_sidecar_component_adds_the_sidecar_and_nothing_else() -> None:
         assert now == {k: v for k, v in was.items() if k not in ("env", "volumeMounts")}
     assert by_name(after["volumes"]) == {
         **by_name(before["volumes"]),
-        "kv-manifests": {"name": "kv-manifests", "emptyDir": {"sizeLimit": "16Mi"}},
+        "kv-manifests": {"name": "kv-manifests", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
     }
     # The same wiring checks as every kustomization's.
     rendered_root = (OWN_ENGINE, docs)
