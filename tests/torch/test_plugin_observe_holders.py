@@ -280,3 +280,19 @@ def test_a_declaring_module_and_a_vllm_attention_layer_are_never_looked_at_by_ru
     assert owners["transformer"].bytes == 0  # declared bf16 K/V, holds float32 rings: rule 1 finds nothing
     assert "transformer.layers.1" not in owners and owners["transformer.layers.0"].bytes > 0
     assert owners["transformer.layers.1.kv_cache"].bytes > 0  # its cache module is not the layer
+
+
+@pytest.mark.usefixtures("observer")
+def test_a_cache_module_made_after_load_under_an_attention_naming_heads_is_seen() -> None:
+    """fish_speech's DAC attention gets its KVCache module from `setup_caches`, whenever a caller calls it."""
+    root = Codec()
+    attention = root.transformer.layers[0]
+    assert isinstance(attention, NamedAttention)
+    del attention.kv_cache
+    observe.attach(root, [], torch.device("cpu"))
+    assert "transformer.layers.0.kv_cache" not in by_owner(sample())
+    attention.kv_cache = CacheModule()
+    owners = by_owner(sample())
+    assert owners["transformer.layers.0.kv_cache"].bytes == storage_bytes(
+        attention.kv_cache.k_cache, attention.kv_cache.v_cache
+    )

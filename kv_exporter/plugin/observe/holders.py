@@ -120,6 +120,7 @@ class Holders:
         self._model: ModelMap | None = None
         self._owners: dict[str, weakref.ref[Any]] = {}  # declaring path -> its module
         self._stores: dict[str, tuple[weakref.ref[Any], ConfigGeometry | None, Heads]] = {}  # rules 3 and 4
+        self._loaded: set[int] = set()  # the ids of the tree's modules as loaded
         self._known: tuple[type, ...] = ()  # the known classes found: rule 1 never enters them
         self._skip: tuple[type, ...] = ()  # nor modules, nor transformers caches (set by `attach`)
         self._engine_kv: set[tuple[str, int]] = set()  # (device, data pointer) of the engine's paged KV storages
@@ -206,7 +207,9 @@ class Holders:
             module = _submodule(root, path)
             if module is not None:
                 self._owners[path] = weakref.ref(module)
-        self._stores = _store_modules(root, model.declaring)
+        modules = list(root.named_modules()) if root is not None else []
+        self._loaded = {id(module) for _, module in modules}
+        self._stores = _store_modules(modules, model.declaring)
         self._skip = (module_type, cache_base) if cache_base is not None else (module_type,)
         waiting, self._waiting = self._waiting, []
         for ref, geometry in waiting:
@@ -251,11 +254,29 @@ class Holders:
             module = module_ref()
             if module is None:
                 continue
-            for tensor, named in self._own(path, module, stop, internals, pace):
-                if (geometry is not None and store_evidence(tensor, geometry)) or (
-                    named and heads_evidence(tensor, heads)
-                ):
-                    yield path, tensor
+            yield from self._raw(path, module, geometry, heads, stop, internals, pace)
+            if heads == NO_HEADS:
+                continue
+            # A module made since load under one naming heads (fish's DAC attention gets its KVCache module from
+            # `setup_caches`) serves that attention: rule 4 in those heads.
+            for name, child in module._modules.items():
+                if child is not None and id(child) not in self._loaded and not _vllm_attention(child):
+                    yield from self._raw(f"{path}.{name}" if path else name, child, None, heads, stop, internals, pace)
+
+    def _raw(
+        self,
+        path: str,
+        module: Any,
+        geometry: ConfigGeometry | None,
+        heads: Heads,
+        stop: tuple[type, ...],
+        internals: frozenset[str],
+        pace: Callable[[], None],
+    ) -> Iterator[tuple[str, Any]]:
+        """(path, tensor) for each raw store of `module`: rule 3 in its config's geometry, rule 4 in `heads`."""
+        for tensor, named in self._own(path, module, stop, internals, pace):
+            if (geometry is not None and store_evidence(tensor, geometry)) or (named and heads_evidence(tensor, heads)):
+                yield path, tensor
 
     def _skip_types(self) -> tuple[type, ...]:
         """What no walk enters: modules, transformers caches, known cache classes, classes, functions, modules."""
@@ -299,21 +320,25 @@ class Holders:
 
 
 def _store_modules(
-    root: Any, declaring: Collection[str]
+    modules: list[tuple[str, Any]], declaring: Collection[str]
 ) -> dict[str, tuple[weakref.ref[Any], ConfigGeometry | None, Heads]]:
-    """path -> (module, its own config's geometry, the heads named around it) for every module of the tree that
-    rules 3 or 4 look at: one that declares nothing, is no vLLM attention layer (it holds the engine's paged KV:
-    it has `get_kv_cache_spec`) and has a config geometry or named heads."""
-    modules = list(root.named_modules()) if root is not None else []
+    """path -> (module, its own config's geometry, the heads named around it) for every module of the tree (`modules`,
+    as `named_modules` gives them) that rules 3 or 4 look at: one that declares nothing, is no vLLM attention layer
+    and has a config geometry or named heads."""
     heads = subtree_heads((path, named_heads(module)) for path, module in modules)
     stores = {}
     for path, module in modules:
-        if path in declaring or callable(getattr(module, "get_kv_cache_spec", None)):
+        if path in declaring or _vllm_attention(module):
             continue
         geometry = config_geometry(module)
         if geometry is not None or heads[path] != NO_HEADS:
             stores[path] = (weakref.ref(module), geometry, heads[path])
     return stores
+
+
+def _vllm_attention(module: Any) -> bool:
+    """vLLM's attention layers (`get_kv_cache_spec`) hold the engine's paged KV: never a raw store."""
+    return callable(getattr(module, "get_kv_cache_spec", None))
 
 
 @functools.cache
