@@ -49,9 +49,9 @@ from kv_exporter.plugin.observe.raw_stores import (
     ConfigGeometry,
     Heads,
     config_geometry,
-    heads_evidence,
     kv_name,
     named_heads,
+    named_kv,
     store_evidence,
     subtree_heads,
 )
@@ -275,7 +275,7 @@ class Holders:
     ) -> Iterator[tuple[str, Any]]:
         """(path, tensor) for each raw store of `module`: rule 3 in its config's geometry, rule 4 in `heads`."""
         for tensor, named in self._own(path, module, stop, internals, pace):
-            if (geometry is not None and store_evidence(tensor, geometry)) or (named and heads_evidence(tensor, heads)):
+            if (geometry is not None and store_evidence(tensor, geometry)) or named_kv(tensor, named, heads):
                 yield path, tensor
 
     def _skip_types(self) -> tuple[type, ...]:

@@ -115,6 +115,11 @@ def heads_evidence(tensor: Any, heads: Heads) -> bool:
     )
 
 
+def named_kv(tensor: Any, named: bool, heads: Heads) -> bool:
+    """Rule 4: a name on the way says K/V (`kv_name`) and the shape shows the named heads (`heads_evidence`)."""
+    return named and heads_evidence(tensor, heads)
+
+
 KV_WORDS = frozenset({"k", "v", "key", "keys", "value", "values"})
 STORE_WORDS = frozenset({"cache", "caches", "ring", "rings", "buf", "buffer", "past"})
 
@@ -147,6 +152,7 @@ __all__ = [
     "heads_evidence",
     "kv_name",
     "named_heads",
+    "named_kv",
     "store_evidence",
     "subtree_heads",
 ]
