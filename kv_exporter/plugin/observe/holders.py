@@ -248,7 +248,7 @@ class Holders:
             if module is None or not declared:
                 continue
             for tensor, _ in self._own(path, module, stop, internals, pace):
-                if kv_evidence(tensor, declared):
+                if kv_evidence(tensor, declared) and not self._engines(tensor):
                     yield path, tensor
         for path, (module_ref, geometry, heads) in self._stores.items():
             module = module_ref()
@@ -275,8 +275,14 @@ class Holders:
     ) -> Iterator[tuple[str, Any]]:
         """(path, tensor) for each raw store of `module`: rule 3 in its config's geometry, rule 4 in `heads`."""
         for tensor, named in self._own(path, module, stop, internals, pace):
-            if (geometry is not None and store_evidence(tensor, geometry)) or named_kv(tensor, named, heads):
+            if (
+                (geometry is not None and store_evidence(tensor, geometry)) or named_kv(tensor, named, heads)
+            ) and not self._engines(tensor):
                 yield path, tensor
+
+    def _engines(self, tensor: Any) -> bool:
+        """Whether `tensor` is a storage of the engine's paged KV (read only for a tensor a rule would count)."""
+        return _storage_key(tensor) in self._engine_kv
 
     def _skip_types(self) -> tuple[type, ...]:
         """What no walk enters: modules, transformers caches, known cache classes, classes, functions, modules."""
@@ -289,7 +295,7 @@ class Holders:
         1, 3 and 4: its attributes (torch's own Module fields aside) and registered buffers, then what lists, tuples,
         sets, dicts and plain objects held there hold, at most `STATE_DEPTH` steps away; never through a `stop`
         value (a scalar, another module, a transformers cache, a known cache class) nor a `config`; never a
-        parameter, nor a storage of the engine's paged KV."""
+        parameter (the callers leave out the engine's paged KV among what their rules would count)."""
         torch: Any = sys.modules["torch"]
         pending: list[tuple[Any, int, bool]] = [
             (value, 1, kv_name(name))
@@ -308,7 +314,7 @@ class Holders:
                 warn_once(f"holder:walk:{path}", "kv-exporter: %r's state is too large to walk in full", path)
                 return
             if isinstance(value, torch.Tensor):
-                if not isinstance(value, torch.nn.Parameter) and _storage_key(value) not in self._engine_kv:
+                if not isinstance(value, torch.nn.Parameter):
                     yield value, named
             elif depth < STATE_DEPTH:
                 pace()
