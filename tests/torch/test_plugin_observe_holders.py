@@ -197,14 +197,14 @@ class CacheModule(nn.Module):
 
 
 class NamedAttention(nn.Module):
-    """An attention naming its heads, as fish's DAC and moss_tts's attentions do, holding per-layer stores: a cache
-    module, a ring in a plain object of a streaming state (moss_tts), a fused-heads ring in a dict (Qwen3-TTS), and
-    the decoys beside them."""
+    """An attention naming its heads, as fish's DAC and moss_tts's attentions do, holding per-layer stores: a ring in
+    a plain object of a streaming state (moss_tts), a fused-heads ring in a dict (Qwen3-TTS), and the decoys beside
+    them; a cache module once set up after load."""
 
     def __init__(self) -> None:
         super().__init__()
         self.n_local_heads, self.head_dim = KV_HEADS, HEAD_DIM
-        self.kv_cache = CacheModule()
+        self.kv_cache: CacheModule | None = None  # fish's DAC attention: a KVCache module once `setup_caches` ran
         ring = SimpleNamespace(cache=torch.zeros(2, BATCH, KV_HEADS, POSITIONS, HEAD_DIM), context=POSITIONS)
         self._streaming_state = SimpleNamespace(kv_cache=ring, offsets=torch.zeros(BATCH))
         self.layer = {
@@ -249,9 +249,6 @@ def test_a_per_layer_store_named_kv_in_named_heads_is_its_modules_to_the_byte() 
         expected[f"transformer.layers.{i}"] = storage_bytes(
             attention._streaming_state.kv_cache.cache, attention.layer["k_ring"]
         )
-        expected[f"transformer.layers.{i}.kv_cache"] = storage_bytes(
-            attention.kv_cache.k_cache, attention.kv_cache.v_cache
-        )
     # The root names no heads itself, the attention below it does: its `past_key_values` in those heads is its own.
     expected[""] = storage_bytes(root.unnamed.past_key_values)
     assert {owner: o.bytes for owner, o in owners.items() if o.bytes} == expected
@@ -265,7 +262,7 @@ def test_names_alone_or_shape_alone_are_no_evidence() -> None:
     attention = root.transformer.layers[0]
     assert isinstance(attention, NamedAttention)
     attention.layer["k_ring"] = torch.zeros(BATCH, POSITIONS, 3 * HEAD_DIM)  # a K/V name, no heads in its shape
-    del attention._streaming_state, attention.kv_cache  # leaves the history: the heads' shape, no K/V name
+    del attention._streaming_state  # leaves the history: the heads' shape, no K/V name
     observe.attach(root, [], torch.device("cpu"))
     assert "transformer.layers.0" not in by_owner(sample())
 
@@ -279,7 +276,6 @@ def test_a_declaring_module_and_a_vllm_attention_layer_are_never_looked_at_by_ru
     owners = by_owner(sample())
     assert owners["transformer"].bytes == 0  # declared bf16 K/V, holds float32 rings: rule 1 finds nothing
     assert "transformer.layers.1" not in owners and owners["transformer.layers.0"].bytes > 0
-    assert owners["transformer.layers.1.kv_cache"].bytes > 0  # its cache module is not the layer
 
 
 @pytest.mark.usefixtures("observer")
@@ -288,7 +284,6 @@ def test_a_cache_module_made_after_load_under_an_attention_naming_heads_is_seen(
     root = Codec()
     attention = root.transformer.layers[0]
     assert isinstance(attention, NamedAttention)
-    del attention.kv_cache
     observe.attach(root, [], torch.device("cpu"))
     assert "transformer.layers.0.kv_cache" not in by_owner(sample())
     attention.kv_cache = CacheModule()

@@ -294,13 +294,13 @@ class Holders:
         """(tensor, whether a name on the way says K/V) for every tensor `module` holds itself, the one walk of rules
         1, 3 and 4: its attributes (torch's own Module fields aside) and registered buffers, then what lists, tuples,
         sets, dicts and plain objects held there hold, at most `STATE_DEPTH` steps away; never through a `stop`
-        value (a scalar, another module, a transformers cache, a known cache class) nor a `config`; never a
+        value (a scalar, another module, a transformers cache, a known cache class) nor a config; never a
         parameter (the callers leave out the engine's paged KV among what their rules would count)."""
         torch: Any = sys.modules["torch"]
         pending: list[tuple[Any, int, bool]] = [
             (value, 1, kv_name(name))
             for name, value in vars(module).items()
-            if name not in internals and name != "config" and not isinstance(value, stop)
+            if type(value) not in _PLAIN and name not in internals and not _config(name) and not isinstance(value, stop)
         ]
         pending.extend((value, 1, kv_name(name)) for name, value in module._buffers.items() if value is not None)
         seen: set[int] = {id(module)}
@@ -321,7 +321,7 @@ class Holders:
                 pending.extend(
                     (child, depth + 1, named or (name is not None and kv_name(name)))
                     for name, child in _children(value)
-                    if name != "config" and not isinstance(child, stop)
+                    if type(child) not in _PLAIN and not (name and _config(name)) and not isinstance(child, stop)
                 )
 
 
@@ -391,6 +391,12 @@ def _children(value: Any) -> list[tuple[str | None, Any]]:
 
 
 _SCALARS: tuple[type, ...] = (str, bytes, int, float, bool, type(None))
+_PLAIN = frozenset(_SCALARS)  # most attributes are exactly one of these: one set lookup ends the walk there
+
+
+def _config(name: str) -> bool:
+    """A config (`config`, vLLM's `vllm_config`, `quant_config`, ...) describes; it never holds K/V and is large."""
+    return name == "config" or name.endswith("_config")
 
 
 def _submodule(root: Any, path: str) -> Any:

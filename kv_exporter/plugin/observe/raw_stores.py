@@ -15,12 +15,13 @@ every declaring module and root of vllm-omni 0.30.0 and 0.32.0rc1 (tests/omni/te
    key) says K/V (`kv`, or one of k, v, key(s), value(s) beside one of cache(s), ring(s), buf, buffer, past); and
    the tensor is floating, of at least three dimensions, with a last dimension of a head size (or twice it) and a
    head count before it, or a last dimension of heads x head size (heads fused, as Qwen3-TTS's streaming decoder
-   keeps its rings), where the counts and sizes are what the module, the module it is an attribute of, or the
-   modules below it name in their own attributes (`num_heads`, `n_local_heads`, `head_dim`, `embed_dim //
-   num_heads`, ...; never a config). Names alone are not enough (a per-layer cache of positions, a scalar's
-   buffer), nor is shape alone: Qwen3-TTS's streaming decoder keeps convolution histories of the same shape beside
-   its K/V rings. fish_speech's DAC `KVCache` (its attention names the heads), DACStreamState's rings, personaplex's
-   `_RingKV`, moss_tts's `_RingKVCache` / `RingKVCache` and Qwen3-TTS's `StreamingCodecDecoder` rings are such.
+   keeps its rings), where the counts and sizes are what the module or the modules below it name in their own
+   attributes (`num_heads`, `n_local_heads`, `head_dim`, `embed_dim // num_heads`, ...; never a config); a module
+   made after load directly under one naming heads (a cache module) is read in that one's heads. Names alone are
+   not enough (the offsets beside a ring), nor is shape alone: Qwen3-TTS's streaming decoder keeps convolution
+   histories of the same shape beside its K/V rings. fish_speech's DAC `KVCache` (its attention names the heads),
+   DACStreamState's rings, personaplex's `_RingKV`, moss_tts's `_RingKVCache` / `RingKVCache` and Qwen3-TTS's
+   `StreamingCodecDecoder` rings are such.
 """
 
 from __future__ import annotations
@@ -133,15 +134,14 @@ def kv_name(name: str) -> bool:
 
 
 def subtree_heads(paths: Iterable[tuple[str, Heads]]) -> dict[str, Heads]:
-    """path -> the heads its module, the module it is an attribute of and every module below it name, from each
-    module's own (`named_heads`), given for every module of one tree by its dotted path (the root's is "")."""
-    own = dict(paths)
-    below = dict(own)
-    for path in sorted(own, key=lambda p: p.count(".") if p else -1, reverse=True):
+    """path -> the heads its module and every module below it name, from each module's own (`named_heads`), given for
+    every module of one tree by its dotted path (the root's is "")."""
+    below = dict(paths)
+    for path in sorted(below, key=lambda p: p.count(".") if p else -1, reverse=True):
         if path:
             parent = path.rpartition(".")[0]
             below[parent] = below.get(parent, NO_HEADS).union(below[path])
-    return {path: heads.union(own.get(path.rpartition(".")[0], NO_HEADS)) for path, heads in below.items()}
+    return below
 
 
 __all__ = [
