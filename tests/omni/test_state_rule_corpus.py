@@ -39,7 +39,15 @@ CodePredictorWrapper by its real `__init__` under a `bare` Qwen3-Omni talker roo
 on as a CUDA platform does, after its real `_ensure_buffers` (the K/V forward itself needs CUDA);
 `qwen3_tts_frame_cache` (0.32.0rc1), Qwen3-TTS's talker code predictor by its real `__init__` under a `bare` talker
 root, holding the real FrameLocalKVCache its `_setup_compile` keeps on CUDA with bf16 weights. Not built: the
-per-layer stores rule 3 does not see (fish_speech DAC `KVCache`, personaplex `_RingKV`, moss_tts ring caches).
+per-layer stores rule 3 does not see: rule 4's (below).
+
+Rule 4 (per-layer stores whose names say K/V, in heads the modules name; `kvx_omni_testplugin.store_cases`), each
+module by its real `__init__` (tiny) under a `bare` root of its real model class, `RULE4_STORES` below: PersonaPlex's
+mimi transformers (`streaming_init` as the codec's, per release), MOSS-TTS's audio tokenizers v1 and v2 (their real
+`initialize_decoder_state_pool`), fish_speech's DAC window transformer (its real `setup_caches`, after load; neither
+wheel calls it), and on 0.32.0rc1 fish_speech's DAC stream state (real DACStreamState and DACDecodeGraphs, its real
+`kv` and `ring`) and Qwen3-TTS's StreamingCodecDecoder (at load, from the real tokenizer decoder). The harness also
+observes each moment under rule 4 by shape alone and by names alone (`STORE_RULES`): both must fail.
 """
 
 from __future__ import annotations

@@ -280,13 +280,17 @@ def test_a_declaring_module_and_a_vllm_attention_layer_are_never_looked_at_by_ru
 
 @pytest.mark.usefixtures("observer")
 def test_a_cache_module_made_after_load_under_an_attention_naming_heads_is_seen() -> None:
-    """fish_speech's DAC attention gets its KVCache module from `setup_caches`, whenever a caller calls it."""
+    """fish_speech's DAC attention gets its KVCache module (no forward of its own) from `setup_caches`, whenever a
+    caller calls it: seen under the attention's heads, before and after the tree is read again."""
     root = Codec()
     attention = root.transformer.layers[0]
     assert isinstance(attention, NamedAttention)
     observe.attach(root, [], torch.device("cpu"))
     assert "transformer.layers.0.kv_cache" not in by_owner(sample())
     attention.kv_cache = CacheModule()
+    expected = storage_bytes(attention.kv_cache.k_cache, attention.kv_cache.v_cache)
+    assert by_owner(sample())["transformer.layers.0.kv_cache"].bytes == expected
+    observe.attach(root, [], torch.device("cpu"))  # the hook attaches again at each publication: still its state
     owners = by_owner(sample())
     assert owners["transformer.layers.0.kv_cache"].bytes == storage_bytes(
         attention.kv_cache.k_cache, attention.kv_cache.v_cache

@@ -120,7 +120,7 @@ class Holders:
         self._model: ModelMap | None = None
         self._owners: dict[str, weakref.ref[Any]] = {}  # declaring path -> its module
         self._stores: dict[str, tuple[weakref.ref[Any], ConfigGeometry | None, Heads]] = {}  # rules 3 and 4
-        self._loaded: set[int] = set()  # the ids of the tree's modules as loaded
+        self._store_ids: set[int] = set()  # the ids of `_stores`' modules
         self._known: tuple[type, ...] = ()  # the known classes found: rule 1 never enters them
         self._skip: tuple[type, ...] = ()  # nor modules, nor transformers caches (set by `attach`)
         self._engine_kv: set[tuple[str, int]] = set()  # (device, data pointer) of the engine's paged KV storages
@@ -208,8 +208,8 @@ class Holders:
             if module is not None:
                 self._owners[path] = weakref.ref(module)
         modules = list(root.named_modules()) if root is not None else []
-        self._loaded = {id(module) for _, module in modules}
         self._stores = _store_modules(modules, model.declaring)
+        self._store_ids = {id(ref()) for ref, _, _ in self._stores.values()}
         self._skip = (module_type, cache_base) if cache_base is not None else (module_type,)
         waiting, self._waiting = self._waiting, []
         for ref, geometry in waiting:
@@ -257,10 +257,10 @@ class Holders:
             yield from self._raw(path, module, geometry, heads, stop, internals, pace)
             if heads == NO_HEADS:
                 continue
-            # A module made since load under one naming heads (fish's DAC attention gets its KVCache module from
-            # `setup_caches`) serves that attention: rule 4 in those heads.
+            # A module that computes nothing (no forward of its own) held by one naming heads is that one's state, in
+            # those heads: fish's DAC attention gets a KVCache module from `setup_caches`, whenever that is called.
             for name, child in module._modules.items():
-                if child is not None and id(child) not in self._loaded and not _vllm_attention(child):
+                if _state_module(child) and id(child) not in self._store_ids:
                     yield from self._raw(f"{path}.{name}" if path else name, child, None, heads, stop, internals, pace)
 
     def _raw(
@@ -340,6 +340,12 @@ def _store_modules(
         if geometry is not None or heads[path] != NO_HEADS:
             stores[path] = (weakref.ref(module), geometry, heads[path])
     return stores
+
+
+def _state_module(module: Any) -> bool:
+    """A module that computes nothing: its class keeps torch's `forward`, which raises (a KVCache module)."""
+    torch: Any = sys.modules["torch"]
+    return module is not None and type(module).forward is torch.nn.Module.forward
 
 
 def _vllm_attention(module: Any) -> bool:

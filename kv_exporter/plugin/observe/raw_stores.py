@@ -17,11 +17,11 @@ every declaring module and root of vllm-omni 0.30.0 and 0.32.0rc1 (tests/omni/te
    head count before it, or a last dimension of heads x head size (heads fused, as Qwen3-TTS's streaming decoder
    keeps its rings), where the counts and sizes are what the module or the modules below it name in their own
    attributes (`num_heads`, `n_local_heads`, `head_dim`, `embed_dim // num_heads`, ...; never a config); a module
-   made after load directly under one naming heads (a cache module) is read in that one's heads. Names alone are
-   not enough (the offsets beside a ring), nor is shape alone: Qwen3-TTS's streaming decoder keeps convolution
-   histories of the same shape beside its K/V rings. fish_speech's DAC `KVCache` (its attention names the heads),
-   DACStreamState's rings, personaplex's `_RingKV`, moss_tts's `_RingKVCache` / `RingKVCache` and Qwen3-TTS's
-   `StreamingCodecDecoder` rings are such.
+   that computes nothing (no `forward` of its own: a cache module) held by one naming heads is read in its heads.
+   Names alone are not enough (the offsets beside a ring), nor is shape alone: Qwen3-TTS's streaming decoder keeps
+   convolution histories of the same shape beside its K/V rings. fish_speech's DAC `KVCache` (its attention names
+   the heads), DACStreamState's rings, personaplex's `_RingKV`, moss_tts's `_RingKVCache` / `RingKVCache` and
+   Qwen3-TTS's `StreamingCodecDecoder` rings are such.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ It installs kv-exporter's observation the way the plugin does (before transforme
 cases need once, then forks one child per case, one after the other. A child builds its model, publishes the load
 manifest with the hook's `publish` (which attaches the observation), and at each moment of the case ("idle" right
 after load, then "step" after the case's steps, where it has any) takes one observation under each state rule of
-`RULES`: the product's own and the looser rules it replaced, swapped in for `holders.kv_evidence`. It writes
+`RULES`: the product's own and the looser rules it replaced, swapped in for `holders.kv_evidence`; and under each
+rule-4 variant of `STORE_RULES` (the product's, shape alone, names alone) swapped in for `holders.named_kv`. It writes
 OUT_DIR/CASE.json with, per moment:
 - `truth`: the K/V alive, counted here without kv-exporter: every live transformers `Cache` the garbage collector
   knows (each K and V storage once, by data pointer), and the raw K/V tensors the case names from upstream's own

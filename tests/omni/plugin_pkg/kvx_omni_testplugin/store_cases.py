@@ -1,6 +1,7 @@
 """The corpus's cases (kvx_omni_testplugin.corpus): what a built case is, and the raw K/V stores of vllm-omni modules
-that declare nothing (rule 3, kv_exporter/plugin/observe/raw_stores.py), each module by its real `__init__` on a
-real VllmConfig under a `bare` root of its real model class (whose own `__init__` needs a whole checkpoint)."""
+that declare nothing (rules 3 and 4, kv_exporter/plugin/observe/raw_stores.py), each module by its real `__init__`
+(on a real VllmConfig where it needs one) under a `bare` root of its real model class (whose own `__init__` needs a
+whole checkpoint)."""
 
 from __future__ import annotations
 
