@@ -120,7 +120,7 @@ class Holders:
         self._model: ModelMap | None = None
         self._owners: dict[str, weakref.ref[Any]] = {}  # declaring path -> its module
         self._stores: dict[str, tuple[weakref.ref[Any], ConfigGeometry | None, Heads]] = {}  # rules 3 and 4
-        self._store_ids: set[int] = set()  # the ids of `_stores`' modules
+        self._store_ids: set[int] = set()  # the ids of `_stores`' and the declaring owners' modules
         self._known: tuple[type, ...] = ()  # the known classes found: rule 1 never enters them
         self._skip: tuple[type, ...] = ()  # nor modules, nor transformers caches (set by `attach`)
         self._engine_kv: set[tuple[str, int]] = set()  # (device, data pointer) of the engine's paged KV storages
@@ -209,7 +209,10 @@ class Holders:
                 self._owners[path] = weakref.ref(module)
         modules = list(root.named_modules()) if root is not None else []
         self._stores = _store_modules(modules, model.declaring)
-        self._store_ids = {id(ref()) for ref, _, _ in self._stores.values()}
+        # the modules rules 1, 3 and 4 look at already: no module is read as another's state
+        self._store_ids = {id(ref()) for ref, _, _ in self._stores.values()} | {
+            id(_submodule(root, p)) for p in model.declaring
+        }
         self._skip = (module_type, cache_base) if cache_base is not None else (module_type,)
         waiting, self._waiting = self._waiting, []
         for ref, geometry in waiting:
@@ -260,7 +263,7 @@ class Holders:
             # A module that computes nothing (no forward of its own) held by one naming heads is that one's state, in
             # those heads: fish's DAC attention gets a KVCache module from `setup_caches`, whenever that is called.
             for name, child in module._modules.items():
-                if _state_module(child) and id(child) not in self._store_ids:
+                if _state_module(child) and id(child) not in self._store_ids and not _vllm_attention(child):
                     yield from self._raw(f"{path}.{name}" if path else name, child, None, heads, stop, internals, pace)
 
     def _raw(
@@ -343,9 +346,10 @@ def _store_modules(
 
 
 def _state_module(module: Any) -> bool:
-    """A module that computes nothing: its class keeps torch's `forward`, which raises (a KVCache module)."""
+    """A module that computes nothing and holds no module: its class keeps torch's `forward`, which raises (a KVCache
+    module; not a container of layers)."""
     torch: Any = sys.modules["torch"]
-    return module is not None and type(module).forward is torch.nn.Module.forward
+    return module is not None and type(module).forward is torch.nn.Module.forward and not module._modules
 
 
 def _vllm_attention(module: Any) -> bool:
