@@ -22,6 +22,7 @@ __all__ = [
     "ModelLocalKVSpec",
     "RowDriver",
     "collect_model_local_kv_specs",
+    "hf_geometry",
     "kv_row_bytes",
     "spec_from_hf_config",
 ]
@@ -177,14 +178,7 @@ def spec_from_hf_config(
     Geometry comes from the config unless overridden; an attribute that cannot be found raises instead of being
     guessed, since a silently wrong geometry under-reports. `rows` is keyword-required, as on the dataclass.
     """
-    if layers is None:
-        layers = _first_attribute(config, ("num_hidden_layers", "encoder_layers", "num_layers"), "layer count")
-    if kv_heads is None:
-        kv_heads = _first_attribute(
-            config, ("num_key_value_heads", "num_attention_heads", "encoder_attention_heads"), "KV head count"
-        )
-    if head_dim is None:
-        head_dim = _head_dim(config)
+    layers, kv_heads, head_dim = hf_geometry(config, layers=layers, kv_heads=kv_heads, head_dim=head_dim)
     return ModelLocalKVSpec(
         name=name,
         layers=layers,
@@ -199,6 +193,23 @@ def spec_from_hf_config(
         rows_reason=rows_reason,
         allocation_note=allocation_note,
     )
+
+
+def hf_geometry(
+    config: object, *, layers: int | None = None, kv_heads: int | None = None, head_dim: int | None = None
+) -> tuple[int, int, int]:
+    """(layers, KV heads, head size) of the attention an HF config describes, each given value kept. One reading
+    for a declaration built from a config and for observation's raw-store rule (a module's own config): an attribute
+    that cannot be found raises ValueError instead of being guessed."""
+    if layers is None:
+        layers = _first_attribute(config, ("num_hidden_layers", "encoder_layers", "num_layers"), "layer count")
+    if kv_heads is None:
+        kv_heads = _first_attribute(
+            config, ("num_key_value_heads", "num_attention_heads", "encoder_attention_heads"), "KV head count"
+        )
+    if head_dim is None:
+        head_dim = _head_dim(config)
+    return layers, kv_heads, head_dim
 
 
 def _head_dim(config: object) -> int:

@@ -39,7 +39,15 @@ CodePredictorWrapper by its real `__init__` under a `bare` Qwen3-Omni talker roo
 on as a CUDA platform does, after its real `_ensure_buffers` (the K/V forward itself needs CUDA);
 `qwen3_tts_frame_cache` (0.32.0rc1), Qwen3-TTS's talker code predictor by its real `__init__` under a `bare` talker
 root, holding the real FrameLocalKVCache its `_setup_compile` keeps on CUDA with bf16 weights. Not built: the
-per-layer stores rule 3 does not see (fish_speech DAC `KVCache`, personaplex `_RingKV`, moss_tts ring caches).
+per-layer stores rule 3 does not see: rule 4's (below).
+
+Rule 4 (per-layer stores whose names say K/V, in heads the modules name; `kvx_omni_testplugin.store_cases`), each
+module by its real `__init__` (tiny) under a `bare` root of its real model class, `RULE4_STORES` below: PersonaPlex's
+mimi transformers (`streaming_init` as the codec's, per release), MOSS-TTS's audio tokenizers v1 and v2 (their real
+`initialize_decoder_state_pool`), fish_speech's DAC window transformer (its real `setup_caches`, after load; neither
+wheel calls it), and on 0.32.0rc1 fish_speech's DAC stream state (real DACStreamState and DACDecodeGraphs, its real
+`kv` and `ring`) and Qwen3-TTS's StreamingCodecDecoder (at load, from the real tokenizer decoder). The harness also
+observes each moment under rule 4 by shape alone and by names alone (`STORE_RULES`): both must fail.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ from tests.omni.omni_server import CHECKOUT_PATHS, OMNI_030, OMNI_032, Release
 
 PRODUCT_RULE = "kv_evidence"
 LOOSER_RULES = ("whole_kv_vectors", "declared_dtype")
+ALL = (OMNI_030.version, OMNI_032.version)
 RAW_STORES = (
     ("fish_speech_fast_ar", "fast_ar"),
     ("audio8_fast_ar", "fast_ar"),
@@ -75,10 +84,42 @@ COMMON = (
     "fish_speech_fast_ar",
     "audio8_fast_ar",
 )
-CASES = {
-    OMNI_030.version: (*COMMON, "ming_talker"),
-    OMNI_032.version: (*COMMON, "vibevoice_032", "minicpmo_032", "qwen3_code_predictor", "qwen3_tts_frame_cache"),
+# Rule 4's stores: case -> (release -> the modules holding them), and their bytes at the cases' sizes, from their
+# shapes as upstream's code lays them out (float32 unless said).
+PERSONAPLEX_RING = 2 * 2 * 8 * 16 * 4  # [K and V, rows, 2 heads, context 8, head size 16], a row
+RULE4_STORES: dict[str, dict[str, tuple[tuple[str, ...], int]]] = {
+    "personaplex": {  # 2 layers a transformer; 0.30.0: both halves, 1 row; 0.32.0rc1: the decoder half, 3 rows
+        OMNI_030.version: (("mimi.decoder_transformer", "mimi.encoder_transformer"), 2 * 2 * PERSONAPLEX_RING),
+        OMNI_032.version: (("mimi.decoder_transformer",), 2 * 3 * PERSONAPLEX_RING),
+    },
+    "moss_v1": {  # [K and V, 2 + 1 slots, 2 heads, context 20, head size 8], one layer
+        release: (("_codec.decoder.0.transformer.layers.0.attn",), 2 * 3 * 2 * 20 * 8 * 4) for release in ALL
+    },
+    "moss_v2": {
+        release: (("_codec.decoder.0.transformer.layers.0.self_attn",), 2 * 3 * 2 * 20 * 8 * 4) for release in ALL
+    },
+    "fish_dac_kv_cache": {  # K and V [3 rows, 2 KV heads, 8 positions, head size 16] a layer, 2 layers
+        release: (
+            tuple(f"_codec.quantizer.post_module.layers.{i}.attention.kv_cache" for i in range(2)),
+            2 * 2 * 3 * 2 * 8 * 16 * 4,
+        )
+        for release in ALL
+    },
+    "fish_dac_stream": {  # 2 layers: K and V [3 + 1 slots, window 8, 2 KV heads, 16] float32 and a bf16 ring
+        OMNI_032.version: (("",), 2 * 2 * 4 * 8 * 2 * 16 * 4 + 2 * 2 * 4 * 2 * (8 + 4) * 16 * 2)
+    },
+    "qwen3_tts_stream_decoder": {  # 2 layers: K and V rings [4 + 1 slots, 128, 2 heads x 16] bf16
+        OMNI_032.version: (("stream_decoder",), 2 * 2 * 5 * 128 * 32 * 2)
+    },
 }
+CASES = {
+    OMNI_030.version: (*COMMON, "ming_talker", *(c for c, r in RULE4_STORES.items() if OMNI_030.version in r)),
+    OMNI_032.version: (
+        *COMMON, "vibevoice_032", "minicpmo_032", "qwen3_code_predictor", "qwen3_tts_frame_cache",
+        *(c for c, r in RULE4_STORES.items() if OMNI_032.version in r),
+    ),
+}  # fmt: skip
+STORE_RULE = "named_kv"
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +233,42 @@ def test_a_raw_store_of_a_module_that_declares_nothing_is_its_own_unexplained_to
     assert step["observed"][PRODUCT_RULE] == {owner: step["truth"]["raw"]}
     view = views(result["manifest"])[owner]
     assert (view.observed_bytes, view.unexplained_bytes, view.declares) == (step["truth"]["raw"],) * 2 + (False,)
+
+
+@pytest.mark.parametrize("case", sorted(RULE4_STORES))
+def test_a_per_layer_store_of_a_module_that_declares_nothing_is_its_own_unexplained_to_the_byte(
+    corpus: dict[str, dict[str, Any]], release: Release, case: str
+) -> None:
+    """Rule 4: each store is observed under the module holding it (the attention, the transformer or the decoder
+    keeping it), all unexplained, to the byte, from the moment it is allocated; nothing before."""
+    if release.version not in RULE4_STORES[case]:
+        pytest.skip(f"{case}'s store is not in vllm-omni {release.version}")
+    owners, stored = RULE4_STORES[case][release.version]
+    result = corpus[case]
+    assert result["declared"] == {} and result["rule4_modules"]  # rule 4 looked at the case's modules
+    moments = result["moments"]
+    last = moments.get("step", moments["idle"])
+    if "step" in moments:
+        assert moments["idle"]["truth"]["total"] == 0 and moments["idle"]["observed"][PRODUCT_RULE] == {}
+    assert last["truth"] == {"caches": 0, "raw": stored, "total": stored}
+    observed = last["observed"][PRODUCT_RULE]
+    assert set(observed) == set(owners) and sum(observed.values()) == stored
+    for owner, view in views(result["manifest"]).items():
+        if owner in owners:
+            assert (view.observed_bytes, view.unexplained_bytes, view.declares) == (observed[owner],) * 2 + (False,)
+
+
+def test_the_corpus_fails_rule_4_on_shape_alone_or_names_alone(
+    corpus: dict[str, dict[str, Any]], release: Release
+) -> None:
+    """The negative corpus of rule 4: by shape alone it takes convolution histories beside the K/V for K/V (fish's
+    DAC stream state, Qwen3-TTS's streaming decoder; on 0.30.0 the fast-AR predictor's hidden buffers); by names
+    alone the int64 offsets beside the rings (personaplex's `_RingKV`, moss_tts v2's `RingKVCache`)."""
+    assert violations(corpus, STORE_RULE) == []
+    shape = {v.split(":")[0] for v in violations(corpus, "shape_only")}
+    names = {v.split(":")[0] for v in violations(corpus, "names_only")}
+    assert {"personaplex step", "moss_v2 step"} <= names
+    if release.version == OMNI_032.version:
+        assert {"fish_dac_stream idle", "fish_dac_stream step", "qwen3_tts_stream_decoder idle"} <= shape
+    else:
+        assert "fish_speech_fast_ar step" in shape

@@ -181,3 +181,117 @@ def test_a_declaring_module_is_left_to_rule_1() -> None:
     # Declared in bfloat16: its float32 stores are no evidence for rule 1, and rule 3 leaves a declaring module alone.
     observe.attach(root, declarations(owner="fast_ar"), torch.device("cpu"))
     assert by_owner(sample())["fast_ar"].bytes == 0
+
+
+# -- rule 4: per-layer stores whose names say K/V, in the heads the modules name ---------------------------------------
+
+
+class CacheModule(nn.Module):
+    """Stands where fish_speech's DAC `KVCache` stands: K and V buffers, no head count of its own (its attention
+    names them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(BATCH, KV_HEADS, POSITIONS, HEAD_DIM))
+        self.register_buffer("v_cache", torch.zeros(BATCH, KV_HEADS, POSITIONS, HEAD_DIM))
+
+
+class NamedAttention(nn.Module):
+    """An attention naming its heads, as fish's DAC and moss_tts's attentions do, holding per-layer stores: a ring in
+    a plain object of a streaming state (moss_tts), a fused-heads ring in a dict (Qwen3-TTS), and the decoys beside
+    them; a cache module once set up after load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_local_heads, self.head_dim = KV_HEADS, HEAD_DIM
+        self.kv_cache: CacheModule | None = None  # fish's DAC attention: a KVCache module once `setup_caches` ran
+        ring = SimpleNamespace(cache=torch.zeros(2, BATCH, KV_HEADS, POSITIONS, HEAD_DIM), context=POSITIONS)
+        self._streaming_state = SimpleNamespace(kv_cache=ring, offsets=torch.zeros(BATCH))
+        self.layer = {
+            "k_ring": torch.zeros(BATCH, POSITIONS, KV_HEADS * HEAD_DIM),
+            "prev": torch.zeros(BATCH, POSITIONS, KV_HEADS * HEAD_DIM),  # a convolution's history: no K/V name
+        }
+        self.k = torch.zeros(BATCH, KV_HEADS, HEAD_DIM)  # a scratch buffer: a K word alone is no store
+        self.kv_positions = torch.zeros(BATCH, KV_HEADS, POSITIONS, HEAD_DIM, dtype=torch.int64)  # not floating
+        self.kv_hidden = torch.zeros(BATCH, POSITIONS, 3 * HEAD_DIM)  # no head size, no heads x head size
+        self.config = SimpleNamespace(past=torch.zeros(BATCH, KV_HEADS, POSITIONS, HEAD_DIM))  # a config: never
+
+
+class StreamingTransformer(nn.Module):
+    """Stands where personaplex's mimi transformer stands: its layers name the heads, it keeps a ring per layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(NamedAttention() for _ in range(LAYERS))
+        self._kv = [SimpleNamespace(cache=torch.zeros(2, BATCH, KV_HEADS, POSITIONS, HEAD_DIM)) for _ in range(LAYERS)]
+
+
+class Codec(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = StreamingTransformer()
+        self.unnamed = SimpleNamespace(past_key_values=torch.zeros(BATCH, KV_HEADS, POSITIONS, HEAD_DIM))
+
+
+def storage_bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+@pytest.mark.usefixtures("observer")
+def test_a_per_layer_store_named_kv_in_named_heads_is_its_modules_to_the_byte() -> None:
+    root = Codec()
+    observe.attach(root, [], torch.device("cpu"))
+    owners = by_owner(sample())
+    transformer = root.transformer
+    expected = {"transformer": storage_bytes(*(ring.cache for ring in transformer._kv))}
+    for i, attention in enumerate(transformer.layers):
+        assert isinstance(attention, NamedAttention)
+        expected[f"transformer.layers.{i}"] = storage_bytes(
+            attention._streaming_state.kv_cache.cache, attention.layer["k_ring"]
+        )
+    # The root names no heads itself, the attention below it does: its `past_key_values` in those heads is its own.
+    expected[""] = storage_bytes(root.unnamed.past_key_values)
+    assert {owner: o.bytes for owner, o in owners.items() if o.bytes} == expected
+    transformer._kv = None  # released: let go at the next sample
+    assert by_owner(sample())["transformer"].bytes == 0
+
+
+@pytest.mark.usefixtures("observer")
+def test_names_alone_or_shape_alone_are_no_evidence() -> None:
+    root = Codec()
+    attention = root.transformer.layers[0]
+    assert isinstance(attention, NamedAttention)
+    attention.layer["k_ring"] = torch.zeros(BATCH, POSITIONS, 3 * HEAD_DIM)  # a K/V name, no heads in its shape
+    del attention._streaming_state  # leaves the history: the heads' shape, no K/V name
+    observe.attach(root, [], torch.device("cpu"))
+    assert "transformer.layers.0" not in by_owner(sample())
+
+
+@pytest.mark.usefixtures("observer")
+def test_a_declaring_module_and_a_vllm_attention_layer_are_never_looked_at_by_rule_4() -> None:
+    root = Codec()
+    attention = root.transformer.layers[1]
+    attention.get_kv_cache_spec = lambda: None  # what marks vLLM's attention layers, which hold the engine's KV
+    observe.attach(root, declarations(owner="transformer"), torch.device("cpu"))
+    owners = by_owner(sample())
+    assert owners["transformer"].bytes == 0  # declared bf16 K/V, holds float32 rings: rule 1 finds nothing
+    assert "transformer.layers.1" not in owners and owners["transformer.layers.0"].bytes > 0
+
+
+@pytest.mark.usefixtures("observer")
+def test_a_cache_module_made_after_load_under_an_attention_naming_heads_is_seen() -> None:
+    """fish_speech's DAC attention gets its KVCache module (no forward of its own) from `setup_caches`, whenever a
+    caller calls it: seen under the attention's heads, before and after the tree is read again."""
+    root = Codec()
+    attention = root.transformer.layers[0]
+    assert isinstance(attention, NamedAttention)
+    observe.attach(root, [], torch.device("cpu"))
+    assert "transformer.layers.0.kv_cache" not in by_owner(sample())
+    attention.kv_cache = CacheModule()
+    expected = storage_bytes(attention.kv_cache.k_cache, attention.kv_cache.v_cache)
+    assert by_owner(sample())["transformer.layers.0.kv_cache"].bytes == expected
+    observe.attach(root, [], torch.device("cpu"))  # the hook attaches again at each publication: still its state
+    owners = by_owner(sample())
+    assert owners["transformer.layers.0.kv_cache"].bytes == storage_bytes(
+        attention.kv_cache.k_cache, attention.kv_cache.v_cache
+    )

@@ -17,13 +17,17 @@ that live outside the model's module tree. What counts (docs/cache-bytes.md, "Be
    streaming audio encoder sessions) is held in the duplex runtime's request state, and its `slots=True` instances
    cannot be weakly referenced: its buffer tensor is what is followed. Its `StreamingAudioGraphEncoder` (held by the
    thinker, which declares nothing) keeps one static KV input for all its CUDA graphs, captured lazily.
-3. **Raw stores of modules that declare nothing** (`raw_stores.py`): a layer-stacked K/V tensor a module keeps in
-   its own attributes for the attention its own config describes (fish_speech and audio8 fast-AR `_k_cache` /
-   `_v_cache`, Qwen3's fused code-predictor `_kv_buf`), charged to that module, undeclared.
+3. and 4. **Raw stores of modules that declare nothing** (`raw_stores.py`): a layer-stacked K/V tensor a module
+   keeps for the attention its own config describes (fish_speech and audio8 fast-AR `_k_cache` / `_v_cache`, Qwen3's
+   fused code-predictor `_kv_buf`), and a per-layer one whose names say K/V and whose shape shows heads the modules
+   around it name (fish DAC `KVCache`, personaplex `_RingKV`, moss_tts ring caches, Qwen3-TTS streaming decoder
+   rings), charged to the module holding it, undeclared. Never a vLLM attention layer (the engine's paged KV).
+
+One walk of a module's own tensors (`Holders._own`) serves rules 1, 3 and 4.
 
 Every tensor a rule finds is followed by the cache tracker's ledger (`Tracker.hold`), as a cache is: each
-storage once across every form, an owner's peak the peak of everything it held together. The walks of rules 1 and
-3 run at the sample, in the sampler's slices; rule 2 costs nothing on the step path (its methods run once per page
+storage once across every form, an owner's peak the peak of everything it held together. The walks of rules 1, 3
+and 4 run at the sample, in the sampler's slices; rule 2 costs nothing on the step path (its methods run once per page
 of growth): a stored tensor is read as it is stored, while what it replaces still lives (that instant is the peak),
 and gives its storage up when it is released.
 """
@@ -40,7 +44,17 @@ from typing import Any
 
 from kv_exporter.observation import UNATTRIBUTED_OWNER
 from kv_exporter.plugin.observe.owners import Geometry, ModelMap
-from kv_exporter.plugin.observe.raw_stores import ConfigGeometry, config_geometry, own_tensors, store_evidence
+from kv_exporter.plugin.observe.raw_stores import (
+    NO_HEADS,
+    ConfigGeometry,
+    Heads,
+    config_geometry,
+    kv_name,
+    named_heads,
+    named_kv,
+    store_evidence,
+    subtree_heads,
+)
 from kv_exporter.plugin.oncelog import warn_once
 
 STATE_DEPTH = 4  # owner -> attribute -> container or object -> ... -> tensor (VibeVoice: 3)
@@ -95,8 +109,9 @@ KNOWN_CLASSES = (
 
 
 class Holders:
-    """Rules 1 and 2 above for one process: the known classes' stored tensors, and the declaring owners' state, each
-    tensor handed to the cache tracker's ledger (`tracker`, set when the tracker is installed)."""
+    """Rules 1 to 4 above for one process: the known classes' stored tensors, the declaring owners' state and the
+    other modules' raw stores, each tensor handed to the cache tracker's ledger (`tracker`, set when the tracker is
+    installed)."""
 
     active: Holders | None = None  # where the patched methods report (the process's observer's; tests replace it)
 
@@ -104,7 +119,8 @@ class Holders:
         self.tracker: Any = None
         self._model: ModelMap | None = None
         self._owners: dict[str, weakref.ref[Any]] = {}  # declaring path -> its module
-        self._stores: dict[str, tuple[weakref.ref[Any], ConfigGeometry]] = {}  # rule 3: path -> module, its config's
+        self._stores: dict[str, tuple[weakref.ref[Any], ConfigGeometry | None, Heads]] = {}  # rules 3 and 4
+        self._store_ids: set[int] = set()  # the ids of `_stores`' and the declaring owners' modules
         self._known: tuple[type, ...] = ()  # the known classes found: rule 1 never enters them
         self._skip: tuple[type, ...] = ()  # nor modules, nor transformers caches (set by `attach`)
         self._engine_kv: set[tuple[str, int]] = set()  # (device, data pointer) of the engine's paged KV storages
@@ -180,8 +196,9 @@ class Holders:
     # -- the model --------------------------------------------------------------------------------------------------
 
     def attach(self, model: ModelMap, cache_base: type | None, module_type: type, engine_kv: Iterable[Any]) -> None:
-        """Know the declaring owners' modules and the engine's paged KV tensors (never counted, wherever a state
-        holds them); name the owners of tensors stored before."""
+        """Know the declaring owners' modules, the modules rules 3 and 4 look at (those of the tree as loaded) and the
+        engine's paged KV tensors (never counted, wherever a state holds them); name the owners of tensors stored
+        before."""
         self._model = model
         self._engine_kv = {_storage_key(tensor) for tensor in engine_kv}
         root = model.root()
@@ -190,11 +207,12 @@ class Holders:
             module = _submodule(root, path)
             if module is not None:
                 self._owners[path] = weakref.ref(module)
-        self._stores = {}
-        for path, module in root.named_modules() if root is not None else ():
-            implied = None if path in model.declaring else config_geometry(module)
-            if implied is not None:
-                self._stores[path] = (weakref.ref(module), implied)
+        modules = list(root.named_modules()) if root is not None else []
+        self._stores = _store_modules(modules, model.declaring)
+        # the modules rules 1, 3 and 4 look at already: no module is read as another's state
+        self._store_ids = {id(ref()) for ref, _, _ in self._stores.values()} | {
+            id(_submodule(root, p)) for p in model.declaring
+        }
         self._skip = (module_type, cache_base) if cache_base is not None else (module_type,)
         waiting, self._waiting = self._waiting, []
         for ref, geometry in waiting:
@@ -205,7 +223,7 @@ class Holders:
     # -- the sample -------------------------------------------------------------------------------------------------
 
     def walk_state(self, pace: Callable[[], None]) -> None:
-        """Hold every tensor rules 1 and 3 find now, and let go of those no longer there; `pace` is called as the
+        """Hold every tensor rules 1, 3 and 4 find now, and let go of those no longer there; `pace` is called as the
         walk goes (the sampler's slices)."""
         if self._model is None or self.tracker is None:
             return
@@ -221,65 +239,122 @@ class Holders:
         self._state = found
 
     def _found(self, model: ModelMap, pace: Callable[[], None]) -> Iterator[tuple[str, Any]]:
-        """(owner, tensor): rule 1 in each declaring owner's state, then rule 3 in the other modules' own tensors."""
-        for path, module_ref in self._owners.items():
-            module = module_ref()
-            if module is not None:
-                declared = model.declared.get(path, frozenset())
-                yield from ((path, tensor) for tensor in self._state_tensors(path, module, declared, pace))
+        """(owner, tensor): rule 1 in each declaring owner's state, then rules 3 and 4 in the other modules'."""
         torch: Any = sys.modules.get("torch")
         if torch is None:
             return
-        internals, skip = _module_internals(torch), self._skip_types()
-        for path, (module_ref, geometry) in self._stores.items():
+        stop = (*_SCALARS, *self._skip_types())
+        internals = _module_internals(torch)
+        for path, module_ref in self._owners.items():
+            module = module_ref()
+            declared = model.declared.get(path, frozenset())
+            if module is None or not declared:
+                continue
+            for tensor, _ in self._own(path, module, stop, internals, pace):
+                if kv_evidence(tensor, declared) and not self._engines(tensor):
+                    yield path, tensor
+        for path, (module_ref, geometry, heads) in self._stores.items():
             module = module_ref()
             if module is None:
                 continue
-            pace()
-            for tensor in own_tensors(module, internals, torch.Tensor, skip):
-                if (
-                    not isinstance(tensor, torch.nn.Parameter)
-                    and store_evidence(tensor, geometry)
-                    and _storage_key(tensor) not in self._engine_kv
-                ):
-                    yield path, tensor
+            yield from self._raw(path, module, geometry, heads, stop, internals, pace)
+            if heads == NO_HEADS:
+                continue
+            # A module that computes nothing (no forward of its own) held by one naming heads is that one's state, in
+            # those heads: fish's DAC attention gets a KVCache module from `setup_caches`, whenever that is called.
+            for name, child in module._modules.items():
+                if _state_module(child) and id(child) not in self._store_ids and not _vllm_attention(child):
+                    yield from self._raw(f"{path}.{name}" if path else name, child, None, heads, stop, internals, pace)
+
+    def _raw(
+        self,
+        path: str,
+        module: Any,
+        geometry: ConfigGeometry | None,
+        heads: Heads,
+        stop: tuple[type, ...],
+        internals: frozenset[str],
+        pace: Callable[[], None],
+    ) -> Iterator[tuple[str, Any]]:
+        """(path, tensor) for each raw store of `module`: rule 3 in its config's geometry, rule 4 in `heads`."""
+        for tensor, named in self._own(path, module, stop, internals, pace):
+            if (
+                (geometry is not None and store_evidence(tensor, geometry)) or named_kv(tensor, named, heads)
+            ) and not self._engines(tensor):
+                yield path, tensor
+
+    def _engines(self, tensor: Any) -> bool:
+        """Whether `tensor` is a storage of the engine's paged KV (read only for a tensor a rule would count)."""
+        return _storage_key(tensor) in self._engine_kv
 
     def _skip_types(self) -> tuple[type, ...]:
         """What no walk enters: modules, transformers caches, known cache classes, classes, functions, modules."""
         return (*self._skip, *self._known, type, FunctionType, MethodType, BuiltinFunctionType, ModuleType)
 
-    def _state_tensors(
-        self, path: str, module: Any, declared: frozenset[Geometry], pace: Callable[[], None]
-    ) -> Iterator[Any]:
-        torch: Any = sys.modules.get("torch")
-        if torch is None or not declared:
-            return
-        skip = self._skip_types()
-        internals = _module_internals(torch)
-        start = [value for name, value in vars(module).items() if name not in internals]
-        start.extend(getattr(module, "_buffers", {}).values())
-        pending: list[tuple[Any, int]] = [(value, 1) for value in start]
+    def _own(
+        self, path: str, module: Any, stop: tuple[type, ...], internals: frozenset[str], pace: Callable[[], None]
+    ) -> Iterator[tuple[Any, bool]]:
+        """(tensor, whether a name on the way says K/V) for every tensor `module` holds itself, the one walk of rules
+        1, 3 and 4: its attributes (torch's own Module fields aside) and registered buffers, then what lists, tuples,
+        sets, dicts and plain objects held there hold, at most `STATE_DEPTH` steps away; never through a `stop`
+        value (a scalar, another module, a transformers cache, a known cache class) nor a config; never a
+        parameter (the callers leave out the engine's paged KV among what their rules would count)."""
+        torch: Any = sys.modules["torch"]
+        pending: list[tuple[Any, int, bool]] = [
+            (value, 1, kv_name(name))
+            for name, value in vars(module).items()
+            if type(value) not in _PLAIN and name not in internals and not _config(name) and not isinstance(value, stop)
+        ]
+        pending.extend((value, 1, kv_name(name)) for name, value in module._buffers.items() if value is not None)
         seen: set[int] = {id(module)}
+        pace()
         while pending:
-            value, depth = pending.pop()
-            if id(value) in seen or value is None or isinstance(value, (str, bytes, int, float, bool)):
+            value, depth, named = pending.pop()
+            if id(value) in seen:
                 continue
             seen.add(id(value))
-            pace()
             if len(seen) > STATE_MAX_OBJECTS:
                 warn_once(f"holder:walk:{path}", "kv-exporter: %r's state is too large to walk in full", path)
                 return
             if isinstance(value, torch.Tensor):
-                if (
-                    not isinstance(value, torch.nn.Parameter)
-                    and kv_evidence(value, declared)
-                    and _storage_key(value) not in self._engine_kv
-                ):
-                    yield value
-                continue
-            if isinstance(value, skip) or depth >= STATE_DEPTH:
-                continue
-            pending.extend((child, depth + 1) for child in _children(value))
+                if not isinstance(value, torch.nn.Parameter):
+                    yield value, named
+            elif depth < STATE_DEPTH:
+                pace()
+                pending.extend(
+                    (child, depth + 1, named or (name is not None and kv_name(name)))
+                    for name, child in _children(value)
+                    if type(child) not in _PLAIN and not (name and _config(name)) and not isinstance(child, stop)
+                )
+
+
+def _store_modules(
+    modules: list[tuple[str, Any]], declaring: Collection[str]
+) -> dict[str, tuple[weakref.ref[Any], ConfigGeometry | None, Heads]]:
+    """path -> (module, its own config's geometry, the heads named around it) for every module of the tree (`modules`,
+    as `named_modules` gives them) that rules 3 or 4 look at: one that declares nothing, is no vLLM attention layer
+    and has a config geometry or named heads."""
+    heads = subtree_heads((path, named_heads(module)) for path, module in modules)
+    stores = {}
+    for path, module in modules:
+        if path in declaring or _vllm_attention(module):
+            continue
+        geometry = config_geometry(module)
+        if geometry is not None or heads[path] != NO_HEADS:
+            stores[path] = (weakref.ref(module), geometry, heads[path])
+    return stores
+
+
+def _state_module(module: Any) -> bool:
+    """A module that computes nothing and holds no module: its class keeps torch's `forward`, which raises (a KVCache
+    module; not a container of layers)."""
+    torch: Any = sys.modules["torch"]
+    return module is not None and type(module).forward is torch.nn.Module.forward and not module._modules
+
+
+def _vllm_attention(module: Any) -> bool:
+    """vLLM's attention layers (`get_kv_cache_spec`) hold the engine's paged KV: never a raw store."""
+    return callable(getattr(module, "get_kv_cache_spec", None))
 
 
 @functools.cache
@@ -311,17 +386,27 @@ def _dtype(tensor: Any) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-def _children(value: Any) -> list[Any]:
+def _children(value: Any) -> list[tuple[str | None, Any]]:
+    """(name, child) one step down a container or plain object: attribute names and string dict keys, else None."""
     if isinstance(value, (list, tuple, set, frozenset)):
-        return list(value)
+        return [(None, child) for child in value]
     if isinstance(value, dict):
-        return list(value.values())
-    children = list(vars(value).values()) if hasattr(value, "__dict__") else []
+        return [(key if isinstance(key, str) else None, child) for key, child in value.items()]
+    children: list[tuple[str | None, Any]] = list(vars(value).items()) if hasattr(value, "__dict__") else []
     for klass in type(value).__mro__:
         for name in getattr(klass, "__slots__", ()):
             if isinstance(name, str) and name not in ("__dict__", "__weakref__"):
-                children.append(getattr(value, name, None))
+                children.append((name, getattr(value, name, None)))
     return children
+
+
+_SCALARS: tuple[type, ...] = (str, bytes, int, float, bool, type(None))
+_PLAIN = frozenset(_SCALARS)  # most attributes are exactly one of these: one set lookup ends the walk there
+
+
+def _config(name: str) -> bool:
+    """A config (`config`, vLLM's `vllm_config`, `quant_config`, ...) describes; it never holds K/V and is large."""
+    return name == "config" or name.endswith("_config")
 
 
 def _submodule(root: Any, path: str) -> Any:

@@ -1,23 +1,37 @@
-"""Raw K/V stores of modules that declare nothing (docs/cache-bytes.md, "Beyond transformers caches", rule 3): a
-layer-stacked tensor a module keeps in its own attributes for the attention its own config describes.
+"""Raw K/V stores of modules that declare nothing (docs/cache-bytes.md, "Beyond transformers caches", rules 3 and 4):
+tensors a module keeps in its own state (`holders.Holders` walks it) for attention it runs, charged to that module,
+undeclared: all of it unexplained. Two kinds of evidence, each proven free of false positives by the corpus over
+every declaring module and root of vllm-omni 0.30.0 and 0.32.0rc1 (tests/omni/test_state_rule_corpus.py):
 
-A module qualifies when it declares nothing and holds an attention config of the kind `spec_from_hf_config` reads
-(`config.num_hidden_layers`, `num_key_value_heads` or `num_attention_heads`, `head_dim` or `hidden_size /
-num_attention_heads`). A tensor counts when the module holds it itself (an attribute or registered buffer, an item
-of a container held there, or a tensor of a plain object held there: `own_tensors`), not a parameter, of a floating
-dtype, and its shape shows that config's K/V: a first dimension of the config's layer count (a store for every layer
-at once), at least four dimensions, a last dimension of the head size (K or V alone) or twice it, and a dimension of
-the KV heads between. vllm-omni's fish_speech and audio8 fast-AR `_k_cache` / `_v_cache` ([layers, batch, kv heads,
-positions, head size]) and 0.32.0rc1's Qwen3 fused code-predictor `_kv_buf` and Qwen3-TTS FrameLocalKVCache `buffer`
-([layers, 2, batch, kv heads, positions, head size]) are such stores. Per-layer stores (a KVCache module of each
-layer, ring buffers in plain objects) show no layer count and are not counted by this rule. A store is charged to
-the module that holds it, as undeclared: all of it unexplained.
+3. **A layer-stacked store for the attention the module's own config describes** (`config_geometry`: the config's
+   layers, KV heads and head size as `protocol.hf_geometry` reads them for a declaration): a floating tensor of at
+   least four dimensions, a first dimension of the layer count (a store for every layer at once), a last dimension
+   of the head size (K or V alone) or twice it, and a dimension of the KV heads between. vllm-omni's fish_speech and
+   audio8 fast-AR `_k_cache` / `_v_cache` ([layers, batch, kv heads, positions, head size]) and 0.32.0rc1's Qwen3
+   fused code-predictor `_kv_buf` and Qwen3-TTS FrameLocalKVCache `buffer` ([layers, 2, batch, kv heads,
+   positions, head size]).
+4. **A per-layer store whose names say K/V and whose shape shows heads the module names** (`named_heads`,
+   `heads_evidence`, `kv_name`). A name on the way from the module to the tensor (an attribute or a string dict
+   key) says K/V (`kv`, or one of k, v, key(s), value(s) beside one of cache(s), ring(s), buf, buffer, past); and
+   the tensor is floating, of at least three dimensions, with a last dimension of a head size (or twice it) and a
+   head count before it, or a last dimension of heads x head size (heads fused, as Qwen3-TTS's streaming decoder
+   keeps its rings), where the counts and sizes are what the module or the modules below it name in their own
+   attributes (`num_heads`, `n_local_heads`, `head_dim`, `embed_dim // num_heads`, ...; never a config); a module
+   that computes nothing (no `forward` of its own: a cache module) held by one naming heads is read in its heads.
+   Names alone are not enough (the offsets beside a ring), nor is shape alone: Qwen3-TTS's streaming decoder keeps
+   convolution histories of the same shape beside its K/V rings. fish_speech's DAC `KVCache` (its attention names
+   the heads), DACStreamState's rings, personaplex's `_RingKV`, moss_tts's `_RingKVCache` / `RingKVCache` and
+   Qwen3-TTS's `StreamingCodecDecoder` rings are such.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import re
+from collections.abc import Iterable
 from typing import Any, NamedTuple
+
+from kv_exporter.protocol import hf_geometry
 
 
 class ConfigGeometry(NamedTuple):
@@ -29,28 +43,22 @@ class ConfigGeometry(NamedTuple):
 
 
 def config_geometry(module: Any) -> ConfigGeometry | None:
-    """The geometry `module`'s own `config` describes, else None (no such config, or one that is not whole)."""
+    """The geometry `module`'s own `config` describes (`protocol.hf_geometry`), else None (no such config, or one
+    that is not whole)."""
     config = vars(module).get("config")
     if config is None:
         return None
     try:
-        layers = getattr(config, "num_hidden_layers", None)
-        heads = getattr(config, "num_attention_heads", None)
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None)
-        if not head_dim and isinstance(heads, int) and heads > 0:
-            hidden = getattr(config, "hidden_size", None)
-            head_dim = hidden // heads if isinstance(hidden, int) else None
-    except Exception:  # a config whose attributes raise is no evidence of anything
+        values = hf_geometry(config)
+    except Exception:  # a config that cannot say, or whose attributes raise, is no evidence of anything
         return None
-    values = (layers, kv_heads, head_dim)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
         return None
-    return ConfigGeometry(*values)  # type: ignore[arg-type]
+    return ConfigGeometry(*values)
 
 
 def store_evidence(tensor: Any, geometry: ConfigGeometry) -> bool:
-    """Whether `tensor`'s shape is a layer-stacked K/V store of `geometry` (see the module docstring)."""
+    """Rule 3: whether `tensor`'s shape is a layer-stacked K/V store of `geometry` (see the module docstring)."""
     shape = tuple(int(size) for size in tensor.shape)
     if len(shape) < 4 or not tensor.is_floating_point() or int(tensor.numel()) == 0:
         return False
@@ -61,44 +69,90 @@ def store_evidence(tensor: Any, geometry: ConfigGeometry) -> bool:
     )
 
 
-OWN_DEPTH = 2  # module -> attribute -> container or plain object -> tensor (FrameLocalKVCache.buffer: 1)
+class Heads(NamedTuple):
+    """The head counts and head sizes modules name in their own attributes (rule 4)."""
+
+    counts: frozenset[int]
+    sizes: frozenset[int]
+
+    def union(self, other: Heads) -> Heads:
+        return Heads(self.counts | other.counts, self.sizes | other.sizes)
 
 
-def own_tensors(module: Any, internals: frozenset[str], tensor_type: type, skip: tuple[type, ...]) -> Iterator[Any]:
-    """The tensors `module` holds itself: its attributes (torch's own Module fields and its `config` aside), its
-    registered buffers, and what containers and plain objects held there hold, `OWN_DEPTH` steps down; never
-    through a value of a `skip` type (modules, caches the tracker follows, known cache classes)."""
-    stop: tuple[type, ...] = (*_SCALARS, *skip)  # most attributes are one of these: the walk ends there
-    pending = [
-        (value, 0)
-        for name, value in vars(module).items()
-        if name not in internals and name != "config" and not isinstance(value, stop)
-    ]
-    pending.extend((value, 0) for value in getattr(module, "_buffers", {}).values() if value is not None)
-    seen: set[int] = set()
-    while pending:
-        value, depth = pending.pop()
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, tensor_type):
-            yield value
-        elif depth < OWN_DEPTH:
-            pending.extend((child, depth + 1) for child in _items(value, stop) if not isinstance(child, stop))
+NO_HEADS = Heads(frozenset(), frozenset())
+HEAD_COUNTS = frozenset(
+    {"num_heads", "n_heads", "n_head", "heads", "num_kv_heads", "n_kv_heads", "num_key_value_heads", "kv_heads",
+     "n_local_heads", "num_local_heads", "num_attention_heads"}
+)  # fmt: skip
+HEAD_SIZES = frozenset({"head_dim", "head_size", "dim_per_head", "kv_head_dim"})
+WIDTHS = frozenset({"embed_dim", "hidden_size", "dim", "d_model"})  # a head size is a width over a head count
 
 
-_SCALARS: tuple[type, ...] = (str, bytes, int, float, bool, type(None))
+def named_heads(module: Any) -> Heads:
+    """The heads `module` names in its own attributes: counts, sizes, and each width its counts divide."""
+    named = {name: value for name, value in vars(module).items() if _whole(value)}
+    counts = frozenset(value for name, value in named.items() if name in HEAD_COUNTS)
+    sizes = {value for name, value in named.items() if name in HEAD_SIZES}
+    sizes.update(
+        width // count for name, width in named.items() if name in WIDTHS for count in counts if not width % count
+    )
+    return Heads(counts, frozenset(sizes)) if counts and sizes else NO_HEADS
 
 
-def _items(value: Any, stop: tuple[type, ...]) -> list[Any]:
-    """What a container or plain object holds one step down; nothing for a scalar or a `stop` type."""
-    if isinstance(value, stop):
-        return []
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    if isinstance(value, dict):
-        return list(value.values())
-    return list(vars(value).values()) if hasattr(value, "__dict__") and not isinstance(value, type) else []
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-__all__ = ["ConfigGeometry", "config_geometry", "own_tensors", "store_evidence"]
+def heads_evidence(tensor: Any, heads: Heads) -> bool:
+    """Rule 4's shape: see the module docstring."""
+    shape = tuple(int(size) for size in tensor.shape)
+    if len(shape) < 3 or not tensor.is_floating_point() or int(tensor.numel()) == 0:
+        return False
+    last, before = shape[-1], shape[:-1]
+    return any(
+        (last in (size, 2 * size) and any(count in before for count in heads.counts))
+        or any(last == count * size for count in heads.counts)
+        for size in heads.sizes
+    )
+
+
+def named_kv(tensor: Any, named: bool, heads: Heads) -> bool:
+    """Rule 4: a name on the way says K/V (`kv_name`) and the shape shows the named heads (`heads_evidence`)."""
+    return named and heads_evidence(tensor, heads)
+
+
+KV_WORDS = frozenset({"k", "v", "key", "keys", "value", "values"})
+STORE_WORDS = frozenset({"cache", "caches", "ring", "rings", "buf", "buffer", "past"})
+
+
+@functools.cache
+def kv_name(name: str) -> bool:
+    """Whether an attribute or dict key name says K/V: `kv`, or a K or V word beside a store word (`k_cache`,
+    `value_cache`, `k_ring`, `past_key_values`, `_kv_buf`); a `k` or `v` alone (a scratch buffer) does not."""
+    words = set(re.findall(r"[a-z0-9]+", name.lower()))
+    return "kv" in words or bool(words & KV_WORDS and words & STORE_WORDS)
+
+
+def subtree_heads(paths: Iterable[tuple[str, Heads]]) -> dict[str, Heads]:
+    """path -> the heads its module and every module below it name, from each module's own (`named_heads`), given for
+    every module of one tree by its dotted path (the root's is "")."""
+    below = dict(paths)
+    for path in sorted(below, key=lambda p: p.count(".") if p else -1, reverse=True):
+        if path:
+            parent = path.rpartition(".")[0]
+            below[parent] = below.get(parent, NO_HEADS).union(below[path])
+    return below
+
+
+__all__ = [
+    "NO_HEADS",
+    "ConfigGeometry",
+    "Heads",
+    "config_geometry",
+    "heads_evidence",
+    "kv_name",
+    "named_heads",
+    "named_kv",
+    "store_evidence",
+    "subtree_heads",
+]

@@ -7,7 +7,8 @@ It installs kv-exporter's observation the way the plugin does (before transforme
 cases need once, then forks one child per case, one after the other. A child builds its model, publishes the load
 manifest with the hook's `publish` (which attaches the observation), and at each moment of the case ("idle" right
 after load, then "step" after the case's steps, where it has any) takes one observation under each state rule of
-`RULES`: the product's own and the looser rules it replaced, swapped in for `holders.kv_evidence`. It writes
+`RULES`: the product's own and the looser rules it replaced, swapped in for `holders.kv_evidence`; and under each
+rule-4 variant of `STORE_RULES` (the product's, shape alone, names alone) swapped in for `holders.named_kv`. It writes
 OUT_DIR/CASE.json with, per moment:
 - `truth`: the K/V alive, counted here without kv-exporter: every live transformers `Cache` the garbage collector
   knows (each K and V storage once, by data pointer), and the raw K/V tensors the case names from upstream's own
@@ -35,7 +36,7 @@ from typing import Any
 from kv_exporter.manifest import Phase
 from kv_exporter.plugin import observe
 from kv_exporter.plugin.hooks import install_post_import
-from kv_exporter.plugin.observe import holders
+from kv_exporter.plugin.observe import holders, raw_stores
 from kv_exporter.plugin.observe.owners import Geometry
 from kv_exporter.plugin.publish import publish
 from kv_exporter.plugin.settings import HookSettings
@@ -65,6 +66,26 @@ RULES: dict[str, Callable[[Any, Collection[Geometry]], bool]] = {
     "kv_evidence": holders.kv_evidence,
     "whole_kv_vectors": whole_kv_vectors,
     "declared_dtype": declared_dtype,
+}
+
+
+# -- rule 4 (raw stores of modules that declare nothing): the product's, and the two halves of it alone ---------------
+
+
+def shape_only(tensor: Any, named: bool, heads: raw_stores.Heads) -> bool:
+    """Rule 4 without its names: any tensor whose shape shows the heads the modules name."""
+    return raw_stores.heads_evidence(tensor, heads)
+
+
+def names_only(tensor: Any, named: bool, heads: raw_stores.Heads) -> bool:
+    """Rule 4 without its shape: any non-empty tensor a K/V name leads to, in a module whose neighbours name heads."""
+    return named and int(tensor.numel()) > 0
+
+
+STORE_RULES: dict[str, Callable[[Any, bool, raw_stores.Heads], bool]] = {
+    "named_kv": raw_stores.named_kv,
+    "shape_only": shape_only,
+    "names_only": names_only,
 }
 
 
@@ -222,6 +243,12 @@ CASES: dict[str, Callable[[Path], Built]] = {
     "audio8_fast_ar": lambda folder: store_cases.fast_ar(folder, "audio8_tts"),
     "qwen3_code_predictor": store_cases.qwen3_code_predictor,
     "qwen3_tts_frame_cache": store_cases.qwen3_tts_frame_cache,
+    "personaplex": store_cases.personaplex,
+    "moss_v1": lambda folder: store_cases.moss_codec(folder, 1),
+    "moss_v2": lambda folder: store_cases.moss_codec(folder, 2),
+    "fish_dac_kv_cache": store_cases.fish_dac_kv_cache,
+    "fish_dac_stream": store_cases.fish_dac_stream,
+    "qwen3_tts_stream_decoder": store_cases.qwen3_tts_stream_decoder,
 }
 
 
@@ -236,8 +263,18 @@ def moment(built: Built) -> dict[str, Any]:
             holders.kv_evidence = rule  # the walk looks it up by name at each tensor
             observation = observe.observe(pause=lambda: None)
             observed[name] = {o.owner: o.bytes for o in observation.owners if o.bytes}
+        holders.kv_evidence = RULES["kv_evidence"]
+        for name, store_rule in STORE_RULES.items():
+            holders.named_kv = store_rule  # likewise
+            observation = observe.observe(pause=lambda: None)
+            observed[name] = {o.owner: o.bytes for o in observation.owners if o.bytes}
     finally:
         holders.kv_evidence = RULES["kv_evidence"]
+        holders.named_kv = STORE_RULES["named_kv"]
+    # Two samples under the product's rules: the second's interval starts where the first let go of what a looser
+    # rule held, so the peak the manifest publishes is the product's own.
+    for _ in range(2):
+        observe.observe(pause=lambda: None)
     caches = storages(live_cache_tensors())
     raw = storages(iter(built.raw_kv()))
     kv = {**caches, **raw}
@@ -281,7 +318,9 @@ def run_case(name: str, out: Path, settings: HookSettings) -> dict[str, Any]:
         "case": name,
         "how": built.how,
         "declared": {path: sorted(map(list, g)) for path, g in active._model.declared.items()},
-        "rule3_modules": sorted(active._stores),  # the modules whose own config describes attention
+        # the modules rule 3 looks at (their own config describes attention), and rule 4 (heads are named around them)
+        "rule3_modules": sorted(path for path, (_, geometry, _) in active._stores.items() if geometry is not None),
+        "rule4_modules": sorted(path for path, (*_, heads) in active._stores.items() if heads != raw_stores.NO_HEADS),
         "moments": {"idle": moment(built)},
     }
     if built.steps:
