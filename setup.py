@@ -10,7 +10,12 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("kv_exporter.plugin.observe._tracker", ["kv_exporter/plugin/observe/_tracker.c"], optional=True),
+        Extension(
+            "kv_exporter.plugin.observe._tracker",
+            ["kv_exporter/plugin/observe/_tracker.c"],
+            depends=["kv_exporter/plugin/observe/_tables.h"],
+            optional=True,
+        ),
         Extension("kv_exporter.plugin._steps", ["kv_exporter/plugin/_steps.c"], optional=True),
     ]
 )

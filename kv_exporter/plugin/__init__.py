@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from kv_exporter.plugin import observe
+from kv_exporter.plugin.extensions import report_missing
 from kv_exporter.plugin.hooks import MethodHook, install_on_module, install_post_import
 from kv_exporter.plugin.oncelog import warn_once
 from kv_exporter.plugin.settings import HookSettings
@@ -113,7 +114,8 @@ def _patcher(module_name: str) -> Any:
 
 
 def register() -> None:
-    """Idempotent and cheap; does nothing under KV_EXPORTER_DISABLE=1. Never raises into vLLM."""
+    """Idempotent and cheap; does nothing under KV_EXPORTER_DISABLE=1. Never raises into vLLM: a C extension the
+    settings need that does not load is logged as an error (extensions.py)."""
     global _registered
     if _registered:
         return
@@ -122,6 +124,7 @@ def register() -> None:
         if settings.disabled:
             return
         _registered = True
+        report_missing(settings)
         patches = {hook.module: _patcher(hook.module) for hook in HOOKS}
         install_post_import(patches | observe.patches(settings))
     except Exception as exc:
