@@ -52,7 +52,7 @@ def config_geometry(module: Any) -> ConfigGeometry | None:
         values = hf_geometry(config)
     except Exception:  # a config that cannot say, or whose attributes raise, is no evidence of anything
         return None
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+    if not all(_whole(v) for v in values):
         return None
     return ConfigGeometry(*values)
 
