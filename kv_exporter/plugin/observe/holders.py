@@ -354,7 +354,8 @@ def _state_module(module: Any) -> bool:
 
 def _vllm_attention(module: Any) -> bool:
     """vLLM's attention layers (`get_kv_cache_spec`) hold the engine's paged KV: never a raw store."""
-    return callable(getattr(module, "get_kv_cache_spec", None))
+    # Its class, then its own attributes: a Module's `__getattr__`, where a lookup ends on a miss, is slow.
+    return callable(getattr(type(module), "get_kv_cache_spec", None)) or callable(vars(module).get("get_kv_cache_spec"))
 
 
 @functools.cache

@@ -86,11 +86,14 @@ HEAD_COUNTS = frozenset(
 )  # fmt: skip
 HEAD_SIZES = frozenset({"head_dim", "head_size", "dim_per_head", "kv_head_dim"})
 WIDTHS = frozenset({"embed_dim", "hidden_size", "dim", "d_model"})  # a head size is a width over a head count
+HEAD_NAMES = HEAD_COUNTS | HEAD_SIZES | WIDTHS
 
 
 def named_heads(module: Any) -> Heads:
     """The heads `module` names in its own attributes: counts, sizes, and each width its counts divide."""
-    named = {name: value for name, value in vars(module).items() if _whole(value)}
+    own = vars(module)
+    # The names first (a set operation in C): most modules name none, and attach reads every module of the tree.
+    named = {name: own[name] for name in own.keys() & HEAD_NAMES if _whole(own[name])}
     counts = frozenset(value for name, value in named.items() if name in HEAD_COUNTS)
     sizes = {value for name, value in named.items() if name in HEAD_SIZES}
     sizes.update(
@@ -138,7 +141,7 @@ def subtree_heads(paths: Iterable[tuple[str, Heads]]) -> dict[str, Heads]:
     every module of one tree by its dotted path (the root's is "")."""
     below = dict(paths)
     for path in sorted(below, key=lambda p: p.count(".") if p else -1, reverse=True):
-        if path:
+        if path and below[path] != NO_HEADS:
             parent = path.rpartition(".")[0]
             below[parent] = below.get(parent, NO_HEADS).union(below[path])
     return below
