@@ -29,7 +29,6 @@ NOT_LIMITED_IN_310 = (
     "PyObject_GetBuffer",
     "PyBuffer_Release",
     "PyFrame_GetBack",
-    "PyFrame_GetCode",
     "PyFunction_Type",
     "PyUnicode_AsUTF8",
 )
