@@ -17,10 +17,13 @@ UNIT_TESTS := tests/unit tests/golden
 # (shared by every 3.11 venv here): rebuilt when a source changes, and required to import, since pip treats their
 # build as optional (an image without a compiler still installs the plugin, which then reports its observation
 # "not-built" and keeps no step record).
+# Both keep to the limited API of 3.10 and are named *.abi3.so; a build from before that (*.cpython-311-*.so) would be
+# imported ahead of them, so it is removed first.
 TRACKER_SOURCE := kv_exporter/plugin/observe/_tracker.c kv_exporter/plugin/observe/_tables.h kv_exporter/plugin/_steps.c
 TRACKER_STAMP  := $(VENV)/.tracker-built
+OLD_BUILDS     := kv_exporter/plugin/_steps.cpython-*.so kv_exporter/plugin/observe/_tracker.cpython-*.so
 
-.PHONY: demo test lint unit native engine-env vllm34-env omni-env omni32-env fuzz-env system-deps bench fuzz gpu-proof clean
+.PHONY: demo test lint unit native wheel-check engine-env vllm34-env omni-env omni32-env fuzz-env system-deps bench fuzz gpu-proof clean
 
 $(STAMP): pyproject.toml requirements-dev.txt requirements-unit.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +32,7 @@ $(STAMP): pyproject.toml requirements-dev.txt requirements-unit.txt
 	touch $(STAMP)
 
 $(TRACKER_STAMP): $(STAMP) $(TRACKER_SOURCE) setup.py
+	rm -f $(OLD_BUILDS)
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -c 'import kv_exporter.plugin.observe._tracker, kv_exporter.plugin._steps' || \
 		{ echo "the plugin's C extensions did not build: a C compiler and Python's headers are needed" >&2; exit 1; }
@@ -52,6 +56,13 @@ unit: $(UNIT_STAMP)
 # AddressSanitizer and UndefinedBehaviorSanitizer, and the reference-leak run; about 2 minutes.
 native: $(STAMP) $(TRACKER_STAMP)
 	$(PY) -m pytest -q tests/native
+
+# The one wheel (cp310-abi3: every CPython from 3.10), built with `pip wheel .` and checked installed, never the source:
+# on each CPython 3.10-3.13 under /root/.pyenv (both extensions load from the venv, --check, a tracker smoke test),
+# then the real-engine observation tests on the engine's Python with the wheel as their kv_exporter; minutes.
+# `bash scripts/wheel-check.sh --no-engine` stops before the engine (seconds).
+wheel-check: $(STAMP) engine-env
+	bash scripts/wheel-check.sh
 
 demo: $(DEMO_STAMP)
 	$(DEMO_VENV)/bin/kv-exporter demo $(DEMO_ARGS)
@@ -92,6 +103,7 @@ fuzz: $(STAMP)
 # On a CUDA machine, under its own python3 (no environment is built: such machines have no package index).
 # Under the machine's own python3 (its CUDA torch): the tracker is built in place for it first.
 gpu-proof:
+	rm -f $(OLD_BUILDS)
 	$(PYTHON) setup.py -q build_ext --inplace
 	$(PYTHON) -m scripts.gpu_proof
 

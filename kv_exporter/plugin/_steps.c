@@ -3,14 +3,21 @@
  *
  * Why C: it runs on every step of the engine. A `StepWrapper` is put on the runner instance in place of its bound
  * `execute_model`; a call reads `len(scheduler_output.num_scheduled_tokens)`, the coarse monotonic clock (the vDSO:
- * no system call) and writes a few words into shared memory, then calls the method with the same arguments
- * (vectorcall: no tuple, no dict) and writes a few more when it returns. No allocation, no system call, no lock: the
- * GIL makes every writer of one record the only one while it writes.
+ * no system call) and writes a few words into shared memory, then calls the method with the same arguments (the
+ * call's own tuple and dict, passed on as they came) and writes a few more when it returns. No allocation of its own,
+ * no system call, no lock: the GIL makes every writer of one record the only one while it writes.
+ *
+ * Written against CPython's limited API of 3.10 (one abi3 build serves 3.10 and later): heap types from specs, and
+ * tp_call rather than vectorcall (not limited before 3.12), which costs the interpreter a tuple for the arguments
+ * (tens of nanoseconds; bench/micro_step_record.py). The buffer protocol is not limited before 3.11 either: the
+ * record's memory is reached once, when a Record is made, through ctypes (`c_char.from_buffer`, which holds the
+ * buffer exported until the Record is closed, as a Py_buffer held it), and each step writes through the address.
  *
  * What the engine is promised: the wrapper never raises (a count it cannot read is written as unknown and counted),
  * returns what the method returns and raises what it raises, untouched. A call with `dummy_run=True` (Model Runner
  * V2's warm-up and data-parallel padding) runs no request: it passes straight through. */
 
+#define Py_LIMITED_API 0x030A0000
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
@@ -61,13 +68,16 @@ static inline int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* -- Record: the mapped file, held through the buffer protocol ---------------------------------------------------- */
+/* -- Record: the mapped file, held exported through ctypes ------------------------------------------------------ */
 
 typedef struct {
     PyObject_HEAD
-    Py_buffer view;
-    Layout *layout; /* NULL once closed */
+    PyObject *keeper; /* a ctypes array over the buffer, which holds it exported; NULL once closed */
+    Layout *layout;   /* NULL once closed */
 } Record;
+
+static PyObject *RecordType, *StepWrapperType;
+static PyObject *record_array, *addressof; /* ctypes.c_char * sizeof(Layout), ctypes.addressof: on first use */
 
 static void write_begin(Layout *r) {
     uint64_t seq = r->header.seq;
@@ -113,6 +123,55 @@ static void step_ends(Layout *r) {
     write_end(r);
 }
 
+/* ctypes, once per process: what the record's address is read through (the buffer protocol is not limited in 3.10). */
+static int load_ctypes(void) {
+    if (record_array != NULL)
+        return 0;
+    PyObject *ctypes = PyImport_ImportModule("ctypes");
+    if (ctypes == NULL)
+        return -1;
+    PyObject *c_char = PyObject_GetAttrString(ctypes, "c_char");
+    PyObject *size = PyLong_FromSize_t(sizeof(Layout));
+    PyObject *array = c_char != NULL && size != NULL ? PyNumber_Multiply(c_char, size) : NULL;
+    PyObject *address = array != NULL ? PyObject_GetAttrString(ctypes, "addressof") : NULL;
+    Py_XDECREF(size);
+    Py_XDECREF(c_char);
+    Py_DECREF(ctypes);
+    if (address == NULL) {
+        Py_XDECREF(array);
+        return -1;
+    }
+    record_array = array;
+    addressof = address;
+    return 0;
+}
+
+/* What the buffer protocol's PyBUF_WRITABLE | PyBUF_SIMPLE request refused, refused here before ctypes is asked, with
+ * the same errors (TypeError: no buffer; BufferError: read-only or not contiguous); its length, or -1. */
+static Py_ssize_t writable_length(PyObject *target) {
+    PyObject *view = PyMemoryView_FromObject(target);
+    if (view == NULL)
+        return -1;
+    PyObject *readonly = PyObject_GetAttrString(view, "readonly");
+    PyObject *contiguous = readonly != NULL ? PyObject_GetAttrString(view, "c_contiguous") : NULL;
+    PyObject *nbytes = contiguous != NULL ? PyObject_GetAttrString(view, "nbytes") : NULL;
+    PyObject *released = nbytes != NULL ? PyObject_CallMethod(view, "release", NULL) : NULL;
+    Py_DECREF(view);
+    Py_ssize_t length = -1;
+    if (released == NULL)
+        ;
+    else if (readonly != Py_True && contiguous == Py_True)
+        length = PyLong_AsSsize_t(nbytes);
+    else
+        PyErr_SetString(PyExc_BufferError,
+                        readonly == Py_True ? "Object is not writable." : "a step record is one contiguous buffer");
+    Py_XDECREF(released);
+    Py_XDECREF(nbytes);
+    Py_XDECREF(contiguous);
+    Py_XDECREF(readonly);
+    return length;
+}
+
 static int Record_init(Record *self, PyObject *args, PyObject *kwds) {
     PyObject *target;
     static char *keywords[] = {"buffer", NULL};
@@ -122,26 +181,44 @@ static int Record_init(Record *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_RuntimeError, "a Record is initialised once");
         return -1;
     }
-    if (PyObject_GetBuffer(target, &self->view, PyBUF_WRITABLE | PyBUF_SIMPLE) < 0)
+    Py_ssize_t length = writable_length(target);
+    if (length < 0)
         return -1;
-    Layout *r = (Layout *)self->view.buf;
-    if (self->view.len != (Py_ssize_t)sizeof(Layout) || ((uintptr_t)r & 7) != 0 ||
-        memcmp(r->header.magic, "KVXSTEPS", 8) != 0 || r->header.version != RECORD_VERSION ||
-        r->header.header_bytes != sizeof(Header) || r->header.bucket_count != BUCKET_COUNT ||
-        r->header.bucket_ns != (uint64_t)BUCKET_NS) {
-        PyBuffer_Release(&self->view);
+    if (length != (Py_ssize_t)sizeof(Layout)) {
         PyErr_SetString(PyExc_ValueError, "not a version 1 step record (kv_exporter/steprecord.py)");
         return -1;
     }
+    if (load_ctypes() < 0)
+        return -1;
+    /* (c_char * size).from_buffer(target): the array holds target's buffer exported (an mmap cannot be closed nor a
+     * bytearray resized under it) until it goes, when this Record is closed or goes. */
+    PyObject *keeper = PyObject_CallMethod(record_array, "from_buffer", "O", target);
+    if (keeper == NULL)
+        return -1;
+    PyObject *address = PyObject_CallFunctionObjArgs(addressof, keeper, NULL);
+    Layout *r = address != NULL ? (Layout *)PyLong_AsVoidPtr(address) : NULL;
+    Py_XDECREF(address);
+    if (r == NULL) {
+        Py_DECREF(keeper);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "a step record at address 0");
+        return -1;
+    }
+    if (((uintptr_t)r & 7) != 0 || memcmp(r->header.magic, "KVXSTEPS", 8) != 0 ||
+        r->header.version != RECORD_VERSION || r->header.header_bytes != sizeof(Header) ||
+        r->header.bucket_count != BUCKET_COUNT || r->header.bucket_ns != (uint64_t)BUCKET_NS) {
+        Py_DECREF(keeper);
+        PyErr_SetString(PyExc_ValueError, "not a version 1 step record (kv_exporter/steprecord.py)");
+        return -1;
+    }
+    self->keeper = keeper;
     self->layout = r;
     return 0;
 }
 
 static PyObject *Record_close(Record *self, PyObject *unused) {
-    if (self->layout != NULL) {
-        self->layout = NULL;
-        PyBuffer_Release(&self->view);
-    }
+    self->layout = NULL;
+    Py_CLEAR(self->keeper); /* releases the buffer */
     Py_RETURN_NONE;
 }
 
@@ -167,9 +244,12 @@ static PyObject *Record_end(Record *self, PyObject *unused) {
 static PyObject *Record_closed(Record *self, void *unused) { return PyBool_FromLong(self->layout == NULL); }
 
 static void Record_dealloc(Record *self) {
-    if (self->layout != NULL)
-        PyBuffer_Release(&self->view);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    PyTypeObject *type = Py_TYPE(self);
+    self->layout = NULL;
+    Py_CLEAR(self->keeper);
+    freefunc free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    free(self);
+    Py_DECREF(type); /* a heap type's instance holds its type */
 }
 
 static PyMethodDef Record_methods[] = {
@@ -184,16 +264,21 @@ static PyGetSetDef Record_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject RecordType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kv_exporter.plugin._steps.Record",
-    .tp_basicsize = sizeof(Record),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A step record mapped writable: Record(buffer).",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Record_init,
-    .tp_dealloc = (destructor)Record_dealloc,
-    .tp_methods = Record_methods,
-    .tp_getset = Record_getset,
+static PyType_Slot Record_slots[] = {
+    {Py_tp_doc, (void *)"A step record mapped writable: Record(buffer)."},
+    {Py_tp_new, (void *)PyType_GenericNew},
+    {Py_tp_init, (void *)Record_init},
+    {Py_tp_dealloc, (void *)Record_dealloc},
+    {Py_tp_methods, Record_methods},
+    {Py_tp_getset, Record_getset},
+    {0, NULL},
+};
+
+static PyType_Spec Record_spec = {
+    .name = "kv_exporter.plugin._steps.Record",
+    .basicsize = sizeof(Record),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = Record_slots,
 };
 
 /* -- StepWrapper: a runner's bound execute_model, recording each step ---------------------------------------------- */
@@ -202,20 +287,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *wrapped; /* the bound method */
     Record *record;
-    vectorcallfunc vectorcall;
 } StepWrapper;
-
-static int keyword(PyObject *kwnames, PyObject *name, Py_ssize_t *at) {
-    Py_ssize_t n = PyTuple_GET_SIZE(kwnames);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *given = PyTuple_GET_ITEM(kwnames, i);
-        if (given == name || PyUnicode_Compare(given, name) == 0) {
-            *at = i;
-            return 1;
-        }
-    }
-    return 0;
-}
 
 /* The step's sequences: len(scheduler_output.num_scheduled_tokens); UNKNOWN where that cannot be read. */
 static uint64_t sequences(PyObject *scheduler_output) {
@@ -224,7 +296,7 @@ static uint64_t sequences(PyObject *scheduler_output) {
         PyErr_Clear();
         return UNKNOWN;
     }
-    Py_ssize_t n = PyDict_CheckExact(scheduled) ? PyDict_GET_SIZE(scheduled) : PyObject_Size(scheduled);
+    Py_ssize_t n = PyDict_CheckExact(scheduled) ? PyDict_Size(scheduled) : PyObject_Size(scheduled);
     Py_DECREF(scheduled);
     if (n < 0) {
         PyErr_Clear();
@@ -233,27 +305,44 @@ static uint64_t sequences(PyObject *scheduler_output) {
     return (uint64_t)n;
 }
 
-static PyObject *StepWrapper_vectorcall(StepWrapper *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+/* A keyword's value (borrowed), or NULL; never an error (a key that cannot be compared is not the keyword). */
+static PyObject *keyword(PyObject *kwargs, PyObject *name) {
+    PyObject *value = PyDict_GetItemWithError(kwargs, name);
+    if (value == NULL)
+        PyErr_Clear();
+    return value;
+}
+
+/* tp_call, not vectorcall (limited only from 3.12): the interpreter has made the call's arguments a tuple (and its
+ * keywords a dict), and they are passed on as they came. */
+static PyObject *StepWrapper_call(StepWrapper *self, PyObject *args, PyObject *kwargs) {
     Layout *r = self->record->layout;
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *scheduler_output = nargs > 0 ? args[0] : NULL;
-    if (r != NULL && kwnames != NULL) {
-        Py_ssize_t at;
-        if (scheduler_output == NULL && keyword(kwnames, s_scheduler_output, &at))
-            scheduler_output = args[nargs + at];
-        if (keyword(kwnames, s_dummy_run, &at)) {
-            int dummy = PyObject_IsTrue(args[nargs + at]);
+    if (r == NULL)
+        return PyObject_Call(self->wrapped, args, kwargs);
+    PyObject *scheduler_output = PyTuple_Size(args) > 0 ? PyTuple_GetItem(args, 0) : NULL;
+    if (kwargs != NULL) {
+        if (scheduler_output == NULL)
+            scheduler_output = keyword(kwargs, s_scheduler_output);
+        PyObject *dummy_run = keyword(kwargs, s_dummy_run);
+        if (dummy_run != NULL) {
+            int dummy = PyObject_IsTrue(dummy_run);
             if (dummy != 0) {
                 if (dummy < 0)
                     PyErr_Clear();
-                r = NULL; /* no request runs in it */
+                return PyObject_Call(self->wrapped, args, kwargs); /* no request runs in it */
             }
         }
     }
-    if (r == NULL)
-        return PyObject_Vectorcall(self->wrapped, args, nargsf, kwnames);
-    step_begins(r, scheduler_output == NULL ? UNKNOWN : sequences(scheduler_output));
-    PyObject *result = PyObject_Vectorcall(self->wrapped, args, nargsf, kwnames);
+    uint64_t count = UNKNOWN;
+    if (scheduler_output != NULL) {
+        Py_INCREF(scheduler_output); /* borrowed from kwargs, which the attribute's code could change */
+        count = sequences(scheduler_output);
+        Py_DECREF(scheduler_output);
+    }
+    if (self->record->layout != r) /* closed by the attribute's code (a fork's child closes its copies) */
+        return PyObject_Call(self->wrapped, args, kwargs);
+    step_begins(r, count);
+    PyObject *result = PyObject_Call(self->wrapped, args, kwargs);
     if (self->record->layout == r) /* not closed meanwhile (a fork's child closes its copies) */
         step_ends(r);
     return result;
@@ -263,18 +352,18 @@ static PyObject *StepWrapper_new(PyTypeObject *type, PyObject *args, PyObject *k
     PyObject *wrapped;
     Record *record;
     static char *keywords[] = {"method", "record", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!:StepWrapper", keywords, &wrapped, &RecordType, &record))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!:StepWrapper", keywords, &wrapped, (PyTypeObject *)RecordType,
+                                     &record))
         return NULL;
     if (!PyCallable_Check(wrapped)) {
         PyErr_SetString(PyExc_TypeError, "StepWrapper wraps a callable");
         return NULL;
     }
-    StepWrapper *self = (StepWrapper *)type->tp_alloc(type, 0);
+    StepWrapper *self = (StepWrapper *)PyType_GenericAlloc(type, 0);
     if (self == NULL)
         return NULL;
     self->wrapped = Py_NewRef(wrapped);
     self->record = (Record *)Py_NewRef(record);
-    self->vectorcall = (vectorcallfunc)StepWrapper_vectorcall;
     return (PyObject *)self;
 }
 
@@ -292,6 +381,7 @@ static PyObject *StepWrapper_repr(StepWrapper *self) {
 }
 
 static int StepWrapper_traverse(StepWrapper *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self)); /* a heap type's instance holds its type */
     Py_VISIT(self->wrapped);
     Py_VISIT(self->record);
     return 0;
@@ -304,9 +394,12 @@ static int StepWrapper_clear(StepWrapper *self) {
 }
 
 static void StepWrapper_dealloc(StepWrapper *self) {
+    PyTypeObject *type = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
     StepWrapper_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    freefunc free = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    free(self);
+    Py_DECREF(type);
 }
 
 static PyMemberDef StepWrapper_members[] = {
@@ -315,20 +408,24 @@ static PyMemberDef StepWrapper_members[] = {
     {NULL, 0, 0, 0, NULL},
 };
 
-static PyTypeObject StepWrapperType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kv_exporter.plugin._steps.StepWrapper",
-    .tp_basicsize = sizeof(StepWrapper),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_doc = "StepWrapper(method, record): calls method, writing each step's sequences into record.",
-    .tp_new = StepWrapper_new,
-    .tp_dealloc = (destructor)StepWrapper_dealloc,
-    .tp_traverse = (traverseproc)StepWrapper_traverse,
-    .tp_clear = (inquiry)StepWrapper_clear,
-    .tp_call = PyVectorcall_Call,
-    .tp_vectorcall_offset = offsetof(StepWrapper, vectorcall),
-    .tp_getattro = (getattrofunc)StepWrapper_getattro,
-    .tp_repr = (reprfunc)StepWrapper_repr,
-    .tp_members = StepWrapper_members,
+static PyType_Slot StepWrapper_slots[] = {
+    {Py_tp_doc, (void *)"StepWrapper(method, record): calls method, writing each step's sequences into record."},
+    {Py_tp_new, (void *)StepWrapper_new},
+    {Py_tp_dealloc, (void *)StepWrapper_dealloc},
+    {Py_tp_traverse, (void *)StepWrapper_traverse},
+    {Py_tp_clear, (void *)StepWrapper_clear},
+    {Py_tp_call, (void *)StepWrapper_call},
+    {Py_tp_getattro, (void *)StepWrapper_getattro},
+    {Py_tp_repr, (void *)StepWrapper_repr},
+    {Py_tp_members, StepWrapper_members},
+    {0, NULL},
+};
+
+static PyType_Spec StepWrapper_spec = {
+    .name = "kv_exporter.plugin._steps.StepWrapper",
+    .basicsize = sizeof(StepWrapper),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = StepWrapper_slots,
 };
 
 static struct PyModuleDef steps_module = {
@@ -344,15 +441,17 @@ PyMODINIT_FUNC PyInit__steps(void) {
     s_dummy_run = PyUnicode_InternFromString("dummy_run");
     if (s_num_scheduled_tokens == NULL || s_scheduler_output == NULL || s_dummy_run == NULL)
         return NULL;
-    if (PyType_Ready(&RecordType) < 0 || PyType_Ready(&StepWrapperType) < 0)
+    if (RecordType == NULL && (RecordType = PyType_FromSpec(&Record_spec)) == NULL)
+        return NULL;
+    if (StepWrapperType == NULL && (StepWrapperType = PyType_FromSpec(&StepWrapper_spec)) == NULL)
         return NULL;
     PyObject *module = PyModule_Create(&steps_module);
     if (module == NULL)
         return NULL;
     if (PyModule_AddIntConstant(module, "VERSION", RECORD_VERSION) < 0 ||
         PyModule_AddIntConstant(module, "BUCKET_COUNT", BUCKET_COUNT) < 0 ||
-        PyModule_AddObjectRef(module, "Record", (PyObject *)&RecordType) < 0 ||
-        PyModule_AddObjectRef(module, "StepWrapper", (PyObject *)&StepWrapperType) < 0) {
+        PyModule_AddObjectRef(module, "Record", RecordType) < 0 ||
+        PyModule_AddObjectRef(module, "StepWrapper", StepWrapperType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

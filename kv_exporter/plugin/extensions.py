@@ -27,7 +27,8 @@ __all__ = ["EXTENSIONS", "Extension", "main", "report_missing", "unloadable"]
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT = "kv_exporter"
 FIX = (
-    "it is compiled when kv-exporter is installed: install a C compiler and this Python's headers (Debian/Ubuntu: "
+    "kv-exporter's wheel (cp310-abi3: CPython 3.10 and later, Linux x86_64 and aarch64) has it built; installed from "
+    "the source, it is compiled: install a C compiler and this Python's headers (Debian/Ubuntu: "
     "gcc and python3-dev, or the python3.X-dev of this interpreter), then reinstall kv-exporter"
 )
 

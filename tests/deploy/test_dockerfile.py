@@ -133,9 +133,12 @@ def test_dockerignore_admits_what_copy_needs_and_nothing_heavy() -> None:
     for source, _ in copy_sources():
         assert (REPO / source).exists(), f"COPY source {source} missing"
         assert dockerignore_allows(source), f".dockerignore excludes COPY source {source}"
-    # the tracker this host built in place, not the image's
-    built = "kv_exporter/plugin/observe/_tracker" + sysconfig.get_config_var("EXT_SUFFIX")
-    for heavy in (".venv", ".venv-vllm", "tests", ".git", "kv_exporter/__pycache__", built):
+    # the tracker this host built in place (abi3 now, this interpreter's suffix before), not the image's
+    built = [
+        f"kv_exporter/plugin/observe/_tracker{suffix}"
+        for suffix in (".abi3.so", sysconfig.get_config_var("EXT_SUFFIX"))
+    ]
+    for heavy in (".venv", ".venv-vllm", "tests", ".git", "kv_exporter/__pycache__", *built):
         assert not dockerignore_allows(heavy), f".dockerignore lets {heavy} into the build context"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -9,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine.server import VLLM_PYTHON, Server, start_server
+from tests.engine.testplugin.kvx_testplugin import EXPECT_KV_EXPORTER_UNDER_ENV, ORIGIN_MODULES
 from tests.engine.tinymodel import build_model
 from tests.openai_server import mark_real_engine_tests
 
@@ -52,3 +55,15 @@ def run_in_vllm_venv(code: str, timeout: float = 300) -> subprocess.CompletedPro
     if result.returncode != 0:
         pytest.fail(f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}")
     return result
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kv_exporter_under_test() -> None:
+    """Where scripts/wheel-check.sh runs these tests on an installed wheel: this process's kv_exporter and both of its
+    C extensions are the wheel's too (the engine's processes check theirs in kvx_testplugin)."""
+    expected = os.environ.get(EXPECT_KV_EXPORTER_UNDER_ENV)
+    if not expected:
+        return
+    for name in ORIGIN_MODULES:
+        file = Path(str(importlib.import_module(name).__file__)).resolve()
+        assert file.is_relative_to(Path(expected).resolve()), f"{name} from {file}, not under {expected}"
