@@ -24,6 +24,9 @@ __all__ = ["observer"]  # the fixture, imported for pytest
 pytestmark = pytest.mark.usefixtures("observer")
 
 
+METHOD_DESCRIPTOR = 1 << 17  # Py_TPFLAGS_METHOD_DESCRIPTOR
+
+
 def kv(positions: int) -> torch.Tensor:
     return torch.ones(1, 2, positions, 4)
 
@@ -93,6 +96,27 @@ def test_the_interpreter_s_call_takes_the_c_hook_and_every_other_access_the_wrap
     assert wrapper_code in python_frames(lambda: bound(kv(1), kv(1), 0))
     assert DynamicCache.update is found.wrapper
     assert bound.__func__ is found.wrapper and bound.__self__ is cache
+
+
+def test_the_hook_is_a_method_descriptor_that_binds_in_python() -> None:
+    """Under the limited API the flag is set by the type's spec and `__get__` after it is made (wrappers.py): both must
+    hold, or a method load binds the wrapper (a Python frame each update) or dynamo meets a C `__get__`."""
+    found = hook()
+    assert type(found) is UpdateHook
+    assert UpdateHook.__flags__ & METHOD_DESCRIPTOR
+    assert inspect.isfunction(vars(UpdateHook)["__get__"])
+    cache = DynamicCache()
+    assert found.__get__(cache, DynamicCache).__func__ is found.wrapper
+
+
+def test_a_compiled_update_compiles_with_fullgraph_and_runs_the_original() -> None:
+    def doubled(x: torch.Tensor) -> torch.Tensor:
+        cache = DynamicCache()
+        keys, _ = cache.update(x, x, 0)
+        return keys * 2
+
+    x = torch.ones(1, 2, 3, 4)
+    assert torch.equal(torch.compile(doubled, backend="eager", fullgraph=True)(x), doubled(x))
 
 
 def test_update_reads_as_the_original_wherever_it_is_read() -> None:

@@ -28,8 +28,8 @@
  * - Never raises into the model: failures are counted (`failures()`), and the sampler reports them. */
 
 #define PY_SSIZE_T_CLEAN
+#define Py_LIMITED_API 0x030A0000 /* one abi3 build serves 3.10 and later (docs/decisions/0026) */
 #include <Python.h>
-#include <frameobject.h>
 #include <structmember.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -54,7 +54,7 @@ static PyObject *s_untyped_storage, *s_nbytes, *s_data_ptr;
 /* The attributes a reading looks at, by index. */
 enum { A_LAYERS, A_KEYS, A_VALUES, A_SELF_ATTENTION, A_CROSS_ATTENTION, ATTRIBUTES };
 static PyObject *s_attribute[ATTRIBUTES];
-static PyObject *s_owner_of_shared, *s_modules_on_stack, *s_decide, *s_class_seen, *s_settle;
+static PyObject *s_owner_of_shared, *s_modules_on_stack, *s_decide, *s_class_seen, *s_settle, *s_f_back;
 
 /* -- Entry: one cache, weakly ------------------------------------------------------------------------------------- */
 
@@ -113,7 +113,7 @@ typedef struct Tracker {
     char failure[160];       /* the last one, for the sampler's warning */
 } Tracker;
 
-static PyTypeObject EntryType, TrackerType;
+static PyTypeObject *EntryType, *TrackerType, *UpdateHookType; /* heap types, made once at import */
 
 static int entrylist_push(EntryList *l, Entry *e) {
     Entry **items = room_for_one(l->items, l->len, &l->cap, sizeof(Entry *));
@@ -141,7 +141,7 @@ static void fail(Tracker *t, const char *where) {
         PyObject *type, *value, *traceback;
         PyErr_Fetch(&type, &value, &traceback);
         PyObject *text = value ? PyObject_Repr(value) : NULL;
-        const char *utf8 = text ? PyUnicode_AsUTF8(text) : NULL;
+        const char *utf8 = text ? PyUnicode_AsUTF8AndSize(text, NULL) : NULL;
         snprintf(t->failure, sizeof(t->failure), "%s: %s", where, utf8 ? utf8 : "an error");
         PyErr_Clear();
         Py_XDECREF(text);
@@ -153,23 +153,22 @@ static void fail(Tracker *t, const char *where) {
     }
 }
 
-/* The cache, as a new reference; NULL when it is gone (no exception set). */
+/* The cache, as a new reference; NULL when it is gone (no exception set). Calls the weak reference (a plain
+ * `weakref.ref`, whose call runs no Python): PyWeakref_GetRef is not in 3.10's limited API, and PyWeakref_GetObject is
+ * deprecated from 3.13. */
 static PyObject *entry_cache(Entry *e) {
     if (e->ref == NULL)
         return NULL;
-#if PY_VERSION_HEX >= 0x030D0000
-    PyObject *cache = NULL;
-    if (PyWeakref_GetRef(e->ref, &cache) < 0)
-        PyErr_Clear();
-    return cache;
-#else
-    PyObject *cache = PyWeakref_GetObject(e->ref);
+    PyObject *cache = PyObject_CallNoArgs(e->ref);
     if (cache == NULL) {
         PyErr_Clear();
         return NULL;
     }
-    return cache == Py_None ? NULL : Py_NewRef(cache);
-#endif
+    if (cache == Py_None) {
+        Py_DECREF(cache);
+        return NULL;
+    }
+    return cache;
 }
 
 static void mark_entry(Tracker *t, Entry *e) {
@@ -265,6 +264,7 @@ typedef struct {
 } MethodCache;
 
 static MethodCache m_untyped_storage, m_nbytes, m_data_ptr;
+static PyTypeObject *function_type; /* types.FunctionType (PyFunction_Check is not in the limited API) */
 
 static PyObject *call_method(MethodCache *cache, PyObject *self) {
     PyTypeObject *type = Py_TYPE(self);
@@ -272,14 +272,18 @@ static PyObject *call_method(MethodCache *cache, PyObject *self) {
         PyObject *method = PyObject_GetAttr((PyObject *)type, cache->name);
         if (method == NULL)
             PyErr_Clear();
-        else if (!PyObject_TypeCheck(method, &PyMethodDescr_Type) && !PyFunction_Check(method))
+        else if (!PyObject_TypeCheck(method, &PyMethodDescr_Type) && Py_TYPE(method) != function_type)
             Py_CLEAR(method);
-        Py_XSETREF(cache->method, method);
-        Py_XSETREF(cache->type, (PyTypeObject *)Py_NewRef(type));
+        PyObject *old_method = cache->method;
+        PyTypeObject *old_type = cache->type;
+        cache->method = method;
+        cache->type = (PyTypeObject *)Py_NewRef(type);
+        Py_XDECREF(old_method);
+        Py_XDECREF(old_type);
     }
     if (cache->method == NULL)
-        return PyObject_CallMethodNoArgs(self, cache->name);
-    return PyObject_Vectorcall(cache->method, &self, 1, NULL);
+        return PyObject_CallMethodObjArgs(self, cache->name, NULL);
+    return PyObject_CallFunctionObjArgs(cache->method, self, NULL); /* a vectorcall inside: no tuple is made */
 }
 
 typedef struct {
@@ -290,20 +294,57 @@ typedef struct {
     Storages now;     /* for READ_OK */
 } Reading;
 
+/* `type`'s own descriptors of a class's MRO and dictionary (`vars(type)['__mro__']` and `['__dict__']`), and their
+ * `__get__`s: what a lookup along an MRO reads without `_PyType_Lookup`, which the limited API lacks. */
+static PyObject *mro_getter, *dict_getter;
+static descrgetfunc mro_get, dict_get;
+
+/* What `_PyType_Lookup(type, name)` finds: the first class along `type`'s MRO whose own dictionary has `name`, its
+ * value (a new reference) in `*found`, or NULL; -1 on error (left set). Runs no Python: the MRO and each class's
+ * dictionary are read by `type`'s own getters (never a metaclass's), a dictionary keyed by an interned str. */
+static int type_lookup(PyTypeObject *type, PyObject *name, PyObject **found) {
+    *found = NULL;
+    PyObject *mro = mro_get(mro_getter, (PyObject *)type, (PyObject *)&PyType_Type);
+    if (mro == NULL)
+        return -1;
+    Py_ssize_t n = PyTuple_Check(mro) ? PyTuple_Size(mro) : 0; /* None: the type is not ready, nothing is found */
+    int status = 0;
+    for (Py_ssize_t i = 0; i < n && *found == NULL && status == 0; i++) {
+        PyObject *dict = dict_get(dict_getter, PyTuple_GetItem(mro, i), (PyObject *)&PyType_Type); /* a proxy */
+        if (dict == NULL) {
+            status = -1;
+            break;
+        }
+        *found = PyObject_GetItem(dict, name);
+        if (*found == NULL && PyErr_ExceptionMatches(PyExc_KeyError))
+            PyErr_Clear();
+        else if (*found == NULL)
+            status = -1;
+        Py_DECREF(dict);
+    }
+    Py_DECREF(mro);
+    return status;
+}
+
 /* Whether `type` keeps attribute `which` as a plain instance attribute: the generic attribute lookup, and nothing of
  * that name in its MRO that computes a value (a property, any descriptor with `__get__`). Reading a cache goes
  * through such attributes only: no code of the model's own runs, so a reading in the model's thread (at a release,
  * with whatever locks it holds) cannot wait on anything. The verdict is kept per type (the `types` table: each
- * type's slot holds two bits per attribute, known and plain). */
+ * type's slot holds two bits per attribute, known and plain); a lookup that failed is not kept, and reads nothing. */
 static int plain_attribute(Tracker *t, PyTypeObject *type, int which) {
     Slot *slot = table_find(&t->types, (uintptr_t)type);
     int known = 1 << (2 * which), plain = 1 << (2 * which + 1);
     if (slot != NULL && (slot->holders & known))
         return (slot->holders & plain) != 0;
-    int verdict = type->tp_getattro == PyObject_GenericGetAttr;
+    int verdict = PyType_GetSlot(type, Py_tp_getattro) == (void *)PyObject_GenericGetAttr;
     if (verdict) {
-        PyObject *found = _PyType_Lookup(type, s_attribute[which]); /* borrowed; runs no Python */
-        verdict = found == NULL || Py_TYPE(found)->tp_descr_get == NULL;
+        PyObject *found;
+        if (type_lookup(type, s_attribute[which], &found) < 0) {
+            fail(t, "a type's attributes");
+            return 0;
+        }
+        verdict = found == NULL || PyType_GetSlot(Py_TYPE(found), Py_tp_descr_get) == NULL;
+        Py_XDECREF(found);
     }
     if (slot == NULL && table_reserve(&t->types, t->types.used + 1) == 0) {
         slot = table_slot(&t->types, (uintptr_t)type);
@@ -374,8 +415,8 @@ static void read_layers(Tracker *t, PyObject *layers, Reading *r, PyObject **fir
         r->status = READ_FAILED;
         return;
     }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(copy) && r->status == READ_OK; i++) {
-        PyObject *layer = PyTuple_GET_ITEM(copy, i);
+    for (Py_ssize_t i = 0; i < PyTuple_Size(copy) && r->status == READ_OK; i++) {
+        PyObject *layer = PyTuple_GetItem(copy, i);
         if (see_class(t, Py_TYPE(layer), 1) < 0)
             fail(t, "a layer class");
         if (layer != Py_None && (!plain_attribute(t, Py_TYPE(layer), A_KEYS) ||
@@ -411,7 +452,7 @@ static int read_halves(Tracker *t, PyObject *cache) {
 /* A cache whose instance dictionary is still empty has not run its `__init__` yet (nor been filled by a copy). */
 static int uninitialised(PyObject *cache) {
     PyObject *dict = PyObject_GenericGetDict(cache, NULL);
-    int empty = dict != NULL && PyDict_Check(dict) && PyDict_GET_SIZE(dict) == 0;
+    int empty = dict != NULL && PyDict_Check(dict) && PyDict_Size(dict) == 0;
     if (dict == NULL)
         PyErr_Clear();
     Py_XDECREF(dict);
@@ -615,11 +656,20 @@ static int see_class(Tracker *t, PyTypeObject *type, int layer) {
     int known = PySet_Contains(t->known_classes, (PyObject *)type);
     if (known != 0)
         return known < 0 ? -1 : 0;
-    PyObject *seen = PyObject_CallMethodOneArg(t->delegate, s_class_seen, (PyObject *)type);
+    PyObject *seen = PyObject_CallMethodObjArgs(t->delegate, s_class_seen, (PyObject *)type, NULL);
     if (seen == NULL)
         return -1;
     Py_DECREF(seen);
     return 0;
+}
+
+/* `frame`'s caller, a new reference, or NULL (at the bottom, or on error: left set). `f_back` is the frame type's
+ * own getter (PyFrame_GetBack is not in the limited API): a frame is no class of the model's, so no Python runs. */
+static PyFrameObject *frame_back(PyFrameObject *frame) {
+    PyObject *back = PyObject_GetAttr((PyObject *)frame, s_f_back);
+    if (back == Py_None)
+        Py_CLEAR(back);
+    return (PyFrameObject *)back;
 }
 
 /* Names the owner of a cache made by `frame` (the caller of the cache class's `__new__`): the first frame running a
@@ -640,16 +690,18 @@ static int attribute_frame(Tracker *t, PyFrameObject *frame, PyObject **owner, P
                 return -1;
             }
         }
-        if (found != NULL && PyTuple_Check(found) && PyTuple_GET_SIZE(found) == 2) {
-            *owner = Py_NewRef(PyTuple_GET_ITEM(found, 0));
-            *candidate = Py_NewRef(PyTuple_GET_ITEM(found, 1));
+        if (found != NULL && PyTuple_Check(found) && PyTuple_Size(found) == 2) {
+            *owner = Py_NewRef(PyTuple_GetItem(found, 0));
+            *candidate = Py_NewRef(PyTuple_GetItem(found, 1));
             Py_DECREF(found);
             Py_DECREF(frame);
             return 0;
         }
         Py_XDECREF(found);
-        PyFrameObject *back = PyFrame_GetBack(frame);
+        PyFrameObject *back = frame_back(frame);
         Py_DECREF(frame);
+        if (back == NULL && PyErr_Occurred())
+            return -1;
         frame = back;
     }
     *owner = Py_NewRef(t->unattributed);
@@ -658,7 +710,7 @@ static int attribute_frame(Tracker *t, PyFrameObject *frame, PyObject **owner, P
 }
 
 static Entry *new_entry(Tracker *t, PyObject *cache) {
-    Entry *e = PyObject_GC_New(Entry, &EntryType);
+    Entry *e = PyObject_GC_New(Entry, EntryType);
     if (e == NULL)
         return NULL;
     e->tracker = (Tracker *)Py_NewRef((PyObject *)t);
@@ -710,6 +762,7 @@ static PyObject *entry_get_cache(Entry *e, PyObject *Py_UNUSED(ignored)) {
 }
 
 static int entry_traverse(Entry *e, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(e)); /* a heap type: its instances hold it */
     Py_VISIT(e->tracker);
     Py_VISIT(e->ref);
     Py_VISIT(e->owner);
@@ -728,10 +781,12 @@ static int entry_clear(Entry *e) {
 }
 
 static void entry_dealloc(Entry *e) {
+    PyTypeObject *type = Py_TYPE(e);
     PyObject_GC_UnTrack(e);
     entry_clear(e);
     storages_free(&e->held);
     PyObject_GC_Del(e);
+    Py_DECREF(type);
 }
 
 static PyMemberDef entry_members[] = {
@@ -748,17 +803,22 @@ static PyMethodDef entry_methods[] = {
     {NULL},
 };
 
-static PyTypeObject EntryType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kv_exporter.plugin.observe._tracker.Entry",
-    .tp_basicsize = sizeof(Entry),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "One tracked cache, weakly, with its owner and what it held when last read.",
-    .tp_call = (ternaryfunc)entry_call,
-    .tp_traverse = (traverseproc)entry_traverse,
-    .tp_clear = (inquiry)entry_clear,
-    .tp_dealloc = (destructor)entry_dealloc,
-    .tp_members = entry_members,
-    .tp_methods = entry_methods,
+static PyType_Slot entry_slots[] = {
+    {Py_tp_doc, "One tracked cache, weakly, with its owner and what it held when last read."},
+    {Py_tp_call, entry_call},
+    {Py_tp_traverse, entry_traverse},
+    {Py_tp_clear, entry_clear},
+    {Py_tp_dealloc, entry_dealloc},
+    {Py_tp_members, entry_members},
+    {Py_tp_methods, entry_methods},
+    {0, NULL},
+};
+
+static PyType_Spec entry_spec = {
+    .name = "kv_exporter.plugin.observe._tracker.Entry",
+    .basicsize = sizeof(Entry),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = entry_slots,
 };
 
 /* -- Tracker's methods ----------------------------------------------------------------------------------------------- */
@@ -777,15 +837,17 @@ static PyObject *tracker_track(Tracker *t, PyObject *cache) {
     if (e == NULL)
         return NULL;
     PyFrameObject *here = PyEval_GetFrame(); /* the `__new__` calling this */
-    PyFrameObject *maker = here != NULL ? PyFrame_GetBack(here) : NULL;
-    int failed = 0;
-    if (t->model_known) {
+    PyFrameObject *maker = here != NULL ? frame_back(here) : NULL;
+    int failed = maker == NULL && PyErr_Occurred();
+    if (failed) {
+    } else if (t->model_known) {
         Py_CLEAR(e->owner);
         Py_CLEAR(e->candidate);
         failed = attribute_frame(t, maker, &e->owner, &e->candidate) < 0;
         e->pending = PyTuple_New(0);
     } else {
-        e->pending = PyObject_CallMethodOneArg(t->delegate, s_modules_on_stack, maker ? (PyObject *)maker : Py_None);
+        e->pending = PyObject_CallMethodObjArgs(t->delegate, s_modules_on_stack, maker ? (PyObject *)maker : Py_None,
+                                               NULL);
     }
     failed = failed || e->pending == NULL || table_reserve(&t->live, t->live.used + 1) < 0;
     if (failed) {
@@ -807,7 +869,7 @@ static PyObject *tracker_track(Tracker *t, PyObject *cache) {
             mark_entry(t, e);
     }
     if (!failed && e->owner == Py_None && t->model_known) { /* the model came meanwhile */
-        PyObject *settled = PyObject_CallMethodOneArg(t->delegate, s_settle, (PyObject *)e);
+        PyObject *settled = PyObject_CallMethodObjArgs(t->delegate, s_settle, (PyObject *)e, NULL);
         failed = settled == NULL;
         Py_XDECREF(settled);
     }
@@ -908,7 +970,7 @@ static PyObject *tracker_take(Tracker *t, PyObject *Py_UNUSED(ignored)) {
     }
     PyObject *owners = PyDict_New(), *unreadable = PyDict_New(), *result = NULL;
     for (Py_ssize_t k = 0; owners != NULL && unreadable != NULL && k < t->tallies; k++) {
-        PyObject *name = PyList_GET_ITEM(t->tally_names, k);
+        PyObject *name = PyList_GetItem(t->tally_names, k);
         Tally *tally = &t->totals[k];
         Py_ssize_t *count = &counts[k * width];
         Py_ssize_t stored = count[REASONS + KIND_STORED - 1], state = count[REASONS + KIND_STATE - 1];
@@ -970,7 +1032,7 @@ static PyObject *tracker_rebuild(Tracker *t, PyObject *Py_UNUSED(ignored)) {
     table_clear(&t->held, 0);
     t->tallies = 0;
     PyDict_Clear(t->tally_index);
-    if (PyList_SetSlice(t->tally_names, 0, PyList_GET_SIZE(t->tally_names), NULL) < 0)
+    if (PyList_SetSlice(t->tally_names, 0, PyList_Size(t->tally_names), NULL) < 0)
         return NULL;
     for (size_t j = 0; j < table_size(&t->live); j++) {
         Entry *e = (Entry *)t->live.slots[j].object;
@@ -1025,7 +1087,9 @@ static PyObject *tracker_hold(Tracker *t, PyObject *args) {
     Entry *e = new_entry(t, tensor);
     if (e == NULL)
         return NULL;
-    Py_SETREF(e->owner, Py_NewRef(owner));
+    PyObject *old_owner = e->owner;
+    e->owner = Py_NewRef(owner);
+    Py_XDECREF(old_owner);
     e->pending = PyTuple_New(0);
     e->kind = stored ? KIND_STORED : KIND_STATE;
     if (e->pending == NULL || table_reserve(&t->live, t->live.used + 1) < 0) {
@@ -1071,7 +1135,9 @@ static PyObject *tracker_reown(Tracker *t, PyObject *args) {
         Py_RETURN_NONE;
     }
     give_up_all(t, e);
-    Py_SETREF(e->owner, Py_NewRef(owner));
+    PyObject *old_owner = e->owner;
+    e->owner = Py_NewRef(owner);
+    Py_XDECREF(old_owner);
     e->tally = -1;
     mark_entry(t, e);
     Py_DECREF(e);
@@ -1105,7 +1171,7 @@ static PyObject *tracker_entries(Tracker *t, PyObject *Py_UNUSED(ignored)) {
     qsort(found, (size_t)n, sizeof(Entry *), by_creation);
     PyObject *list = PyList_New(n);
     for (Py_ssize_t i = 0; list != NULL && i < n; i++)
-        PyList_SET_ITEM(list, i, Py_NewRef((PyObject *)found[i]));
+        PyList_SetItem(list, i, Py_NewRef((PyObject *)found[i])); /* a new list's item: cannot fail */
     PyMem_Free(found);
     return list;
 }
@@ -1122,7 +1188,7 @@ static PyObject *tracker_set_sites(Tracker *t, PyObject *sites) {
         PyErr_SetString(PyExc_TypeError, "sites must be a dict or None");
         return NULL;
     }
-    if (table_reserve(&t->sites, (size_t)PyDict_GET_SIZE(sites)) < 0)
+    if (table_reserve(&t->sites, (size_t)PyDict_Size(sites)) < 0)
         return PyErr_NoMemory();
     PyObject *key, *value;
     Py_ssize_t pos = 0;
@@ -1135,7 +1201,9 @@ static PyObject *tracker_set_sites(Tracker *t, PyObject *sites) {
             return NULL;
         }
         Slot *slot = table_slot(&t->sites, (uintptr_t)code);
-        Py_XSETREF(slot->object, Py_NewRef(value));
+        PyObject *old = slot->object;
+        slot->object = Py_NewRef(value);
+        Py_XDECREF(old);
     }
     t->model_known = 1;
     Py_RETURN_NONE;
@@ -1195,6 +1263,7 @@ static int tracker_init(Tracker *t, PyObject *args, PyObject *kwds) {
 }
 
 static int tracker_traverse(Tracker *t, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(t)); /* a heap type: its instances hold it */
     Py_VISIT(t->delegate);
     Py_VISIT(t->unattributed);
     Py_VISIT(t->known_classes);
@@ -1235,51 +1304,61 @@ static int tracker_clear(Tracker *t) {
 }
 
 static void tracker_dealloc(Tracker *t) {
+    PyTypeObject *type = Py_TYPE(t);
     PyObject_GC_UnTrack(t);
     tracker_clear(t);
     table_clear(&t->held, 0);
     PyMem_Free(t->totals);
-    Py_TYPE(t)->tp_free((PyObject *)t);
+    ((freefunc)PyType_GetSlot(type, Py_tp_free))(t);
+    Py_DECREF(type);
 }
 
-static PyTypeObject TrackerType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kv_exporter.plugin.observe._tracker.Tracker",
-    .tp_basicsize = sizeof(Tracker),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Tracker(delegate, unattributed, known_classes, unfollowed, tensor_type): the live caches and "
-              "their owners' storage ledger.",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)tracker_init,
-    .tp_traverse = (traverseproc)tracker_traverse,
-    .tp_clear = (inquiry)tracker_clear,
-    .tp_dealloc = (destructor)tracker_dealloc,
-    .tp_methods = tracker_methods,
-    .tp_members = tracker_members,
+static PyType_Slot tracker_slots[] = {
+    {Py_tp_doc, "Tracker(delegate, unattributed, known_classes, unfollowed, tensor_type): the live caches and their "
+                "owners' storage ledger."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, tracker_init},
+    {Py_tp_traverse, tracker_traverse},
+    {Py_tp_clear, tracker_clear},
+    {Py_tp_dealloc, tracker_dealloc},
+    {Py_tp_methods, tracker_methods},
+    {Py_tp_members, tracker_members},
+    {0, NULL},
+};
+
+static PyType_Spec tracker_spec = {
+    .name = "kv_exporter.plugin.observe._tracker.Tracker",
+    .basicsize = sizeof(Tracker),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = tracker_slots,
 };
 
 /* -- the update hook: a cache class's `update`, then its cache marked ---------------------------------------- */
 /* Why C: between a forward's kernels a Python wrapper's frame cost ~2 us an update, about half of what the hooks added
  * to a decode step (docs/decisions/0023-update-hook-in-c.md). An `UpdateHook` is what the interpreter calls for
  * `cache.update(...)`: a method descriptor (Py_TPFLAGS_METHOD_DESCRIPTOR), so the call's method load hands it the
- * instance unbound, and it calls the original with the same arguments, untouched (vectorcall), then marks the cache.
- * Every other access binds through its Python subclass's `__get__` (wrappers.py), which gives the Python wrapper: what
- * introspection, `super()`, a bound method kept for later and dynamo see is exactly that wrapper. */
+ * instance unbound, and it calls the original with the same arguments, untouched, then marks the cache. Every other
+ * access binds through the `__get__` wrappers.py sets on this type, in Python, which gives the Python wrapper: what
+ * introspection, `super()`, a bound method kept for later and dynamo see is exactly that wrapper.
+ * Under the limited API (docs/decisions/0026-tracker-on-the-limited-api.md): the call is `tp_call`, its arguments a
+ * tuple (a type of ours has no vectorcall there); and the type is mutable, `__get__` set on it after it is made,
+ * since no flag can be written: a class whose body defines `__get__` loses the method-descriptor flag, and a Python
+ * subclass never inherits it. Not subclassable, for that reason. */
 
 typedef struct {
     PyObject_HEAD
     PyObject *original; /* the class's own `update` */
     PyObject *wrapper;  /* the Python wrapper every other access gets */
-    vectorcallfunc vectorcall;
 } UpdateHook;
 
 static Tracker *hook_tracker; /* where update hooks mark; NULL: nowhere */
 
-static PyObject *update_hook_call(UpdateHook *h, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    PyObject *result = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+static PyObject *update_hook_call(UpdateHook *h, PyObject *args, PyObject *kwargs) {
+    PyObject *result = PyObject_Call(h->original, args, kwargs);
     Tracker *t = hook_tracker;
-    if (result != NULL && t != NULL && PyVectorcall_NARGS(nargsf) > 0) {
+    if (result != NULL && t != NULL && PyTuple_Size(args) > 0) {
         Py_INCREF(t); /* a catch-up runs Python: the hooks may be retargeted meanwhile */
-        Py_DECREF(tracker_mark(t, args[0])); /* returns None, never fails */
+        Py_DECREF(tracker_mark(t, PyTuple_GetItem(args, 0))); /* returns None, never fails */
         Py_DECREF(t);
     }
     return result;
@@ -1294,13 +1373,16 @@ static int update_hook_init(UpdateHook *h, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "UpdateHook takes two callables");
         return -1;
     }
-    Py_XSETREF(h->original, Py_NewRef(original));
-    Py_XSETREF(h->wrapper, Py_NewRef(wrapper));
-    h->vectorcall = (vectorcallfunc)update_hook_call;
+    PyObject *old_original = h->original, *old_wrapper = h->wrapper;
+    h->original = Py_NewRef(original);
+    h->wrapper = Py_NewRef(wrapper);
+    Py_XDECREF(old_original);
+    Py_XDECREF(old_wrapper);
     return 0;
 }
 
 static int update_hook_traverse(UpdateHook *h, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(h)); /* a heap type: its instances hold it */
     Py_VISIT(h->original);
     Py_VISIT(h->wrapper);
     return 0;
@@ -1312,10 +1394,12 @@ static int update_hook_clear(UpdateHook *h) {
     return 0;
 }
 
-static void update_hook_dealloc(UpdateHook *h) { /* a subclass's instances: CPython releases their type */
+static void update_hook_dealloc(UpdateHook *h) {
+    PyTypeObject *type = Py_TYPE(h);
     PyObject_GC_UnTrack(h);
     update_hook_clear(h);
-    Py_TYPE(h)->tp_free((PyObject *)h);
+    ((freefunc)PyType_GetSlot(type, Py_tp_free))(h);
+    Py_DECREF(type);
 }
 
 static PyMemberDef update_hook_members[] = {
@@ -1324,28 +1408,31 @@ static PyMemberDef update_hook_members[] = {
     {NULL},
 };
 
-static PyTypeObject UpdateHookType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kv_exporter.plugin.observe._tracker.UpdateHook",
-    .tp_basicsize = sizeof(UpdateHook),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL |
-                Py_TPFLAGS_METHOD_DESCRIPTOR,
-    .tp_doc = "UpdateHook(original, wrapper): `cache.update(...)` calls `original`, then marks the cache; a subclass "
-              "binds every other access (`__get__`).",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)update_hook_init,
-    .tp_traverse = (traverseproc)update_hook_traverse,
-    .tp_clear = (inquiry)update_hook_clear,
-    .tp_dealloc = (destructor)update_hook_dealloc,
-    .tp_call = PyVectorcall_Call,
-    .tp_vectorcall_offset = offsetof(UpdateHook, vectorcall),
-    .tp_members = update_hook_members,
+static PyType_Slot update_hook_slots[] = {
+    {Py_tp_doc, "UpdateHook(original, wrapper): `cache.update(...)` calls `original`, then marks the cache; every "
+                "other access binds by the `__get__` wrappers.py sets on this type."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, update_hook_init},
+    {Py_tp_traverse, update_hook_traverse},
+    {Py_tp_clear, update_hook_clear},
+    {Py_tp_dealloc, update_hook_dealloc},
+    {Py_tp_call, update_hook_call},
+    {Py_tp_members, update_hook_members},
+    {0, NULL},
+};
+
+static PyType_Spec update_hook_spec = {
+    .name = "kv_exporter.plugin.observe._tracker.UpdateHook",
+    .basicsize = sizeof(UpdateHook),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .slots = update_hook_slots,
 };
 
 PyDoc_STRVAR(mark_updates_into_doc, "mark_updates_into(tracker)\n--\n\nWhere update hooks mark from now on (None: "
                                     "nowhere).");
 
 static PyObject *mark_updates_into(PyObject *Py_UNUSED(module), PyObject *tracker) {
-    if (tracker != Py_None && !PyObject_TypeCheck(tracker, &TrackerType)) {
+    if (tracker != Py_None && !PyObject_TypeCheck(tracker, TrackerType)) {
         PyErr_SetString(PyExc_TypeError, "mark_updates_into takes a Tracker or None");
         return NULL;
     }
@@ -1355,26 +1442,8 @@ static PyObject *mark_updates_into(PyObject *Py_UNUSED(module), PyObject *tracke
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(calls_unbound_doc, "calls_unbound(cls)\n--\n\nLet the interpreter hand `cls` (a subclass of UpdateHook "
-                                "that binds in Python) the instance unbound at a call's method load, as its base "
-                                "does: CPython keeps the flags that say so from a class that defines `__get__`.");
-
-static PyObject *calls_unbound(PyObject *Py_UNUSED(module), PyObject *cls) {
-    if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, &UpdateHookType) ||
-        ((PyTypeObject *)cls)->tp_call != UpdateHookType.tp_call) {
-        PyErr_SetString(PyExc_TypeError, "calls_unbound takes a subclass of UpdateHook keeping its call");
-        return NULL;
-    }
-    PyTypeObject *type = (PyTypeObject *)cls;
-    type->tp_vectorcall_offset = UpdateHookType.tp_vectorcall_offset;
-    type->tp_flags |= Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR;
-    PyType_Modified(type);
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef module_functions[] = {
     {"mark_updates_into", mark_updates_into, METH_O, mark_updates_into_doc},
-    {"calls_unbound", calls_unbound, METH_O, calls_unbound_doc},
     {NULL},
 };
 
@@ -1398,6 +1467,7 @@ static int intern_all(void) {
         {&s_decide, "decide"},
         {&s_class_seen, "class_seen"},
         {&s_settle, "settle"},
+        {&s_f_back, "f_back"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
@@ -1405,6 +1475,27 @@ static int intern_all(void) {
     m_untyped_storage.name = s_untyped_storage;
     m_nbytes.name = s_nbytes;
     m_data_ptr.name = s_data_ptr;
+    return 0;
+}
+
+/* What the limited API reaches only through Python's own objects: the function type, and `type`'s getters of a
+ * class's MRO and dictionary (type_lookup). */
+static int find_builtins(void) {
+    PyObject *types = PyImport_ImportModule("types");
+    function_type = types ? (PyTypeObject *)PyObject_GetAttrString(types, "FunctionType") : NULL;
+    Py_XDECREF(types);
+    PyObject *type_dict = PyObject_GetAttrString((PyObject *)&PyType_Type, "__dict__");
+    mro_getter = type_dict ? PyMapping_GetItemString(type_dict, "__mro__") : NULL;
+    dict_getter = type_dict ? PyMapping_GetItemString(type_dict, "__dict__") : NULL;
+    Py_XDECREF(type_dict);
+    if (function_type == NULL || mro_getter == NULL || dict_getter == NULL)
+        return -1;
+    mro_get = (descrgetfunc)PyType_GetSlot(Py_TYPE(mro_getter), Py_tp_descr_get);
+    dict_get = (descrgetfunc)PyType_GetSlot(Py_TYPE(dict_getter), Py_tp_descr_get);
+    if (!PyType_Check(function_type) || mro_get == NULL || dict_get == NULL) {
+        PyErr_SetString(PyExc_ImportError, "the tracker finds no function type or no getters of a type's MRO");
+        return -1;
+    }
     return 0;
 }
 
@@ -1417,15 +1508,25 @@ static struct PyModuleDef tracker_module = {
 };
 
 PyMODINIT_FUNC PyInit__tracker(void) {
-    if (intern_all() < 0 || PyType_Ready(&EntryType) < 0 || PyType_Ready(&TrackerType) < 0 ||
-        PyType_Ready(&UpdateHookType) < 0)
-        return NULL;
+    if (EntryType == NULL) { /* made once: a second import (a test's) gets the same types */
+        if (intern_all() < 0 || find_builtins() < 0)
+            return NULL;
+        EntryType = (PyTypeObject *)PyType_FromSpec(&entry_spec);
+        TrackerType = (PyTypeObject *)PyType_FromSpec(&tracker_spec);
+        UpdateHookType = (PyTypeObject *)PyType_FromSpec(&update_hook_spec);
+        if (EntryType == NULL || TrackerType == NULL || UpdateHookType == NULL) {
+            Py_CLEAR(EntryType);
+            Py_CLEAR(TrackerType);
+            Py_CLEAR(UpdateHookType);
+            return NULL;
+        }
+    }
     PyObject *module = PyModule_Create(&tracker_module);
     if (module == NULL)
         return NULL;
-    if (PyModule_AddObject(module, "Entry", Py_NewRef((PyObject *)&EntryType)) < 0 ||
-        PyModule_AddObject(module, "Tracker", Py_NewRef((PyObject *)&TrackerType)) < 0 ||
-        PyModule_AddObject(module, "UpdateHook", Py_NewRef((PyObject *)&UpdateHookType)) < 0) {
+    if (PyModule_AddObject(module, "Entry", Py_NewRef((PyObject *)EntryType)) < 0 ||
+        PyModule_AddObject(module, "Tracker", Py_NewRef((PyObject *)TrackerType)) < 0 ||
+        PyModule_AddObject(module, "UpdateHook", Py_NewRef((PyObject *)UpdateHookType)) < 0) {
         Py_DECREF(module);
         return NULL;
     }

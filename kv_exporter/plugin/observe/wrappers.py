@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kv_exporter.plugin.observe._tracker import UpdateHook, calls_unbound, mark_updates_into
+from kv_exporter.plugin.observe._tracker import UpdateHook, mark_updates_into
 
 PATCHED_MARK = "__kv_exporter_observe__"
 
@@ -44,27 +44,26 @@ class Hooks:
         mark_updates_into(tracker if follow_peaks else None)
 
 
-class _UpdateHook(UpdateHook):
-    """A cache class's `update` (see the module's docstring): called by a method load, the C call; otherwise bound
-    here, as a function binds, to the Python wrapper."""
-
-    __slots__ = ()
-
-    def __get__(self, instance: object, owner: type | None = None) -> Any:
-        return self.wrapper.__get__(instance, owner)
+def _bind(self: UpdateHook, instance: object, owner: type | None = None) -> Any:
+    """A cache class's `update` (see the module's docstring) read any way but a call's method load: bound, as a
+    function binds, to the Python wrapper."""
+    return self.wrapper.__get__(instance, owner)
 
 
-calls_unbound(_UpdateHook)
+# Set on the C type after it is made, never in a class body: CPython drops the method-descriptor flag (the method load
+# hands the instance unbound) from a class that defines `__get__`, and a Python subclass never inherits it; setting
+# `__get__` later only fills the slot (docs/decisions/0026-tracker-on-the-limited-api.md).
+UpdateHook.__get__ = _bind  # type: ignore[attr-defined]
 
 
 def is_hook(method: object) -> bool:
     """Whether `method` is one of these hooks."""
-    return isinstance(method, _UpdateHook) or hasattr(method, PATCHED_MARK)
+    return isinstance(method, UpdateHook) or hasattr(method, PATCHED_MARK)
 
 
 def original_of(method: object) -> Any:
     """The method a hook stands for (None: `method` is no hook of ours)."""
-    if isinstance(method, _UpdateHook):
+    if isinstance(method, UpdateHook):
         return method.original
     return getattr(method, PATCHED_MARK, None)
 
@@ -108,7 +107,7 @@ def marking(method: Callable[..., Any]) -> Any:
         return result
 
     setattr(update, PATCHED_MARK, method)
-    return _UpdateHook(method, update)
+    return UpdateHook(method, update)
 
 
 def falling(method: Callable[..., Any], marks: bool) -> Callable[..., Any]:
