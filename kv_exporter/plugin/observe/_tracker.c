@@ -839,13 +839,12 @@ static PyObject *tracker_track(Tracker *t, PyObject *cache) {
     PyFrameObject *here = PyEval_GetFrame(); /* the `__new__` calling this */
     PyFrameObject *maker = here != NULL ? frame_back(here) : NULL;
     int failed = maker == NULL && PyErr_Occurred();
-    if (failed) {
-    } else if (t->model_known) {
+    if (!failed && t->model_known) {
         Py_CLEAR(e->owner);
         Py_CLEAR(e->candidate);
         failed = attribute_frame(t, maker, &e->owner, &e->candidate) < 0;
         e->pending = PyTuple_New(0);
-    } else {
+    } else if (!failed) {
         e->pending = PyObject_CallMethodObjArgs(t->delegate, s_modules_on_stack, maker ? (PyObject *)maker : Py_None,
                                                NULL);
     }
