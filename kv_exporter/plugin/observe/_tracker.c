@@ -28,7 +28,7 @@
  * - Never raises into the model: failures are counted (`failures()`), and the sampler reports them. */
 
 #define PY_SSIZE_T_CLEAN
-#define Py_LIMITED_API 0x030A0000 /* one abi3 build serves 3.10 and later (docs/decisions/0026) */
+#define Py_LIMITED_API 0x030A0000 /* one abi3 build serves 3.10 and later (docs/decisions/0027) */
 #include <Python.h>
 #include <structmember.h>
 #include <stdint.h>
@@ -54,7 +54,7 @@ static PyObject *s_untyped_storage, *s_nbytes, *s_data_ptr;
 /* The attributes a reading looks at, by index. */
 enum { A_LAYERS, A_KEYS, A_VALUES, A_SELF_ATTENTION, A_CROSS_ATTENTION, ATTRIBUTES };
 static PyObject *s_attribute[ATTRIBUTES];
-static PyObject *s_owner_of_shared, *s_modules_on_stack, *s_decide, *s_class_seen, *s_settle, *s_f_back;
+static PyObject *s_owner_of_shared, *s_modules_on_stack, *s_decide, *s_class_seen, *s_settle;
 
 /* -- Entry: one cache, weakly ------------------------------------------------------------------------------------- */
 
@@ -663,10 +663,15 @@ static int see_class(Tracker *t, PyTypeObject *type, int layer) {
     return 0;
 }
 
-/* `frame`'s caller, a new reference, or NULL (at the bottom, or on error: left set). `f_back` is the frame type's
- * own getter (PyFrame_GetBack is not in the limited API): a frame is no class of the model's, so no Python runs. */
+/* The frame type's `f_back` descriptor and its `__get__` (PyFrame_GetBack is not in the limited API). */
+static PyObject *f_back_getter;
+static descrgetfunc f_back_get;
+
+/* `frame`'s caller, a new reference, or NULL (at the bottom, or on error: left set). Read by the frame type's own
+ * getter, called directly (a lookup by name cost ~10 ns a frame more: 0.3 us a cache made under a worker's
+ * ~30 frames, bench_observe's `outside` case): no Python runs. */
 static PyFrameObject *frame_back(PyFrameObject *frame) {
-    PyObject *back = PyObject_GetAttr((PyObject *)frame, s_f_back);
+    PyObject *back = f_back_get(f_back_getter, (PyObject *)frame, (PyObject *)Py_TYPE(frame));
     if (back == Py_None)
         Py_CLEAR(back);
     return (PyFrameObject *)back;
@@ -1339,10 +1344,9 @@ static PyType_Spec tracker_spec = {
  * instance unbound, and it calls the original with the same arguments, untouched, then marks the cache. Every other
  * access binds through the `__get__` wrappers.py sets on this type, in Python, which gives the Python wrapper: what
  * introspection, `super()`, a bound method kept for later and dynamo see is exactly that wrapper.
- * Under the limited API (docs/decisions/0026-tracker-on-the-limited-api.md): the call is `tp_call`, its arguments a
- * tuple (a type of ours has no vectorcall there); and the type is mutable, `__get__` set on it after it is made,
- * since no flag can be written: a class whose body defines `__get__` loses the method-descriptor flag, and a Python
- * subclass never inherits it. Not subclassable, for that reason. */
+ * Under the limited API (docs/decisions/0027-tracker-on-the-limited-api.md): the call is `tp_call`, its arguments a
+ * tuple (a type of ours has no vectorcall there); and the type is mutable, `__get__` set on it after it is made:
+ * flags cannot be written there, and no Python subclass carries the method-descriptor flag (so none is allowed). */
 
 typedef struct {
     PyObject_HEAD
@@ -1466,7 +1470,6 @@ static int intern_all(void) {
         {&s_decide, "decide"},
         {&s_class_seen, "class_seen"},
         {&s_settle, "settle"},
-        {&s_f_back, "f_back"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if ((*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
@@ -1477,22 +1480,29 @@ static int intern_all(void) {
     return 0;
 }
 
-/* What the limited API reaches only through Python's own objects: the function type, and `type`'s getters of a
- * class's MRO and dictionary (type_lookup). */
+/* What the limited API reaches only through Python's own objects: the function type, `type`'s getters of a class's
+ * MRO and dictionary (type_lookup), and the frame type's getter of `f_back` (frame_back). */
 static int find_builtins(void) {
     PyObject *types = PyImport_ImportModule("types");
     function_type = types ? (PyTypeObject *)PyObject_GetAttrString(types, "FunctionType") : NULL;
+    PyObject *frame_type = types ? PyObject_GetAttrString(types, "FrameType") : NULL;
     Py_XDECREF(types);
     PyObject *type_dict = PyObject_GetAttrString((PyObject *)&PyType_Type, "__dict__");
     mro_getter = type_dict ? PyMapping_GetItemString(type_dict, "__mro__") : NULL;
     dict_getter = type_dict ? PyMapping_GetItemString(type_dict, "__dict__") : NULL;
     Py_XDECREF(type_dict);
-    if (function_type == NULL || mro_getter == NULL || dict_getter == NULL)
+    PyObject *frame_dict = frame_type ? PyObject_GetAttrString(frame_type, "__dict__") : NULL;
+    f_back_getter = frame_dict ? PyMapping_GetItemString(frame_dict, "f_back") : NULL;
+    Py_XDECREF(frame_dict);
+    Py_XDECREF(frame_type);
+    if (function_type == NULL || mro_getter == NULL || dict_getter == NULL || f_back_getter == NULL)
         return -1;
     mro_get = (descrgetfunc)PyType_GetSlot(Py_TYPE(mro_getter), Py_tp_descr_get);
     dict_get = (descrgetfunc)PyType_GetSlot(Py_TYPE(dict_getter), Py_tp_descr_get);
-    if (!PyType_Check(function_type) || mro_get == NULL || dict_get == NULL) {
-        PyErr_SetString(PyExc_ImportError, "the tracker finds no function type or no getters of a type's MRO");
+    f_back_get = (descrgetfunc)PyType_GetSlot(Py_TYPE(f_back_getter), Py_tp_descr_get);
+    if (!PyType_Check(function_type) || mro_get == NULL || dict_get == NULL || f_back_get == NULL) {
+        PyErr_SetString(PyExc_ImportError, "the tracker finds no function type, or no getters of a type's MRO or a "
+                                           "frame's caller");
         return -1;
     }
     return 0;

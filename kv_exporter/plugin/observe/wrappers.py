@@ -50,9 +50,9 @@ def _bind(self: UpdateHook, instance: object, owner: type | None = None) -> Any:
     return self.wrapper.__get__(instance, owner)
 
 
-# Set on the C type after it is made, never in a class body: CPython drops the method-descriptor flag (the method load
-# hands the instance unbound) from a class that defines `__get__`, and a Python subclass never inherits it; setting
-# `__get__` later only fills the slot (docs/decisions/0026-tracker-on-the-limited-api.md).
+# Set on the C type itself, after it is made: the method-descriptor flag (a call's method load hands the instance
+# unbound) comes only from its spec, and no Python subclass carries it; setting `__get__` fills the slot and leaves
+# the flag (docs/decisions/0027-tracker-on-the-limited-api.md).
 UpdateHook.__get__ = _bind  # type: ignore[attr-defined]
 
 
