@@ -91,8 +91,11 @@ omni32-env:
 fuzz-env:
 	bash scripts/fuzz.sh --env-only
 
+# The wheel's check last: the issue's promise (one wheel, installed, observes on every local CPython and under the
+# real engine) is held by every run, not only when someone remembers `make wheel-check`.
 test: $(STAMP) $(TRACKER_STAMP) system-deps engine-env vllm34-env omni-env omni32-env fuzz-env lint
 	$(PY) -m pytest tests
+	bash scripts/wheel-check.sh
 
 bench: $(STAMP) $(TRACKER_STAMP)
 	$(PY) -m bench.run_all

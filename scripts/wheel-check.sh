@@ -59,9 +59,9 @@ if built != want:
     sys.exit(f"the wheel's extensions are {built}, not {want}")
 EOF
 say "built $(basename "$wheel") (both extensions *.abi3.so)"
-# abi3audit (pip install abi3audit: not a dependency of the project) reads every symbol the extensions import against
-# the stable ABI's list for the tag's version; tests/native/test_wheel.py makes a cheaper check of the same.
-abi3audit=${ABI3AUDIT-$(command -v abi3audit || true)}
+# abi3audit (in .venv: requirements-dev.txt; not a dependency of the package) reads every symbol the extensions
+# import against the stable ABI's list for the tag's version; tests/native/test_wheel.py makes a cheaper check.
+abi3audit=${ABI3AUDIT-$(command -v abi3audit || command -v "$repo/.venv/bin/abi3audit" || true)}
 if [[ -n $abi3audit ]]; then
     "$abi3audit" --strict --report "$wheel" >"$tmp/abi3audit.json" || {
         "$abi3audit" --strict --verbose "$wheel" || true
