@@ -1533,9 +1533,9 @@ PyMODINIT_FUNC PyInit__tracker(void) {
     PyObject *module = PyModule_Create(&tracker_module);
     if (module == NULL)
         return NULL;
-    if (PyModule_AddObject(module, "Entry", Py_NewRef((PyObject *)EntryType)) < 0 ||
-        PyModule_AddObject(module, "Tracker", Py_NewRef((PyObject *)TrackerType)) < 0 ||
-        PyModule_AddObject(module, "UpdateHook", Py_NewRef((PyObject *)UpdateHookType)) < 0) {
+    if (PyModule_AddObjectRef(module, "Entry", (PyObject *)EntryType) < 0 ||
+        PyModule_AddObjectRef(module, "Tracker", (PyObject *)TrackerType) < 0 ||
+        PyModule_AddObjectRef(module, "UpdateHook", (PyObject *)UpdateHookType) < 0) {
         Py_DECREF(module);
         return NULL;
     }
