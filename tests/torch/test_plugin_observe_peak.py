@@ -355,6 +355,26 @@ def test_a_tensor_without_storage_costs_only_its_cache() -> None:
     assert observation.unreadable == (UnreadableCaches(UNATTRIBUTED_OWNER, UnreadableReason.NO_STORAGE, 1),)
 
 
+class StoragelessTensor(torch.Tensor):
+    """A tensor subclass with a storage getter of its own, which has none to give (as a wrapper subclass's)."""
+
+    def untyped_storage(self) -> Any:
+        raise RuntimeError("this tensor keeps its data elsewhere")
+
+
+def test_a_tensor_subclass_is_read_by_its_own_getter() -> None:
+    """The tracker calls torch's storage getter directly, past Python: only on the type it found it on. A subclass
+    defining its own is read through that one, after a plain tensor was read in the same sample."""
+    model = build(Qwen2ForCausalLM, full_config(), torch.float32)
+    good, bad = DynamicCache(), DynamicCache()
+    for cache in (good, bad):
+        forward(model, cache, input_ids=prompt(1, 5))
+    bad.layers[-1].keys = bad.layers[-1].keys.as_subclass(StoragelessTensor)
+    observation = sample()
+    assert by_owner(observation)[UNATTRIBUTED_OWNER].bytes == storage_bytes([good])
+    assert observation.unreadable == (UnreadableCaches(UNATTRIBUTED_OWNER, UnreadableReason.NO_STORAGE, 1),)
+
+
 # -- what the lazy accounting must not miss -----------------------------------------------------------------------
 
 

@@ -255,32 +255,55 @@ static void settle_gone(Tracker *t) {
 
 /* -- reading a cache: Python runs here, and nothing of the ledger is changed -------------------------------------- */
 
-/* A method of the last type it was called on, looked up once (a tensor's storage getters are called ~60 times a step;
- * the lookup by name was a third of each call). Only a plain method is kept: anything else is called by name. */
+/* A method of the last type it was called on, looked up once (a tensor's storage getters are called ~120 times a
+ * step). Where the type's method is a builtin taking no arguments (torch's getters are), its C function is kept and
+ * called directly: what the interpreter's call would run once it has checked the instance's type and the argument
+ * count, both settled here (the instance is of the very type the method was found on): a tensor's three calls took
+ * ~110 ns less, a third, in a decode step (docs/decisions/0028). Another kind of method is called through Python;
+ * none: by name. */
 typedef struct {
     PyObject *name;
     PyTypeObject *type; /* strong: a freed type's address must not pass for a new one */
     PyObject *method;
+    PyCFunction function; /* the method's C function, when it is a builtin's METH_NOARGS one */
 } MethodCache;
 
 static MethodCache m_untyped_storage, m_nbytes, m_data_ptr;
 static PyTypeObject *function_type; /* types.FunctionType (PyFunction_Check is not in the limited API) */
+static PyTypeObject *frame_type;    /* types.FrameType */
+
+/* The C function behind `method` (found on `type`) bound to `self`, when it is a builtin one taking no arguments. */
+static PyCFunction noargs_function(PyObject *method, PyObject *self, PyTypeObject *type) {
+    descrgetfunc get = (descrgetfunc)PyType_GetSlot(Py_TYPE(method), Py_tp_descr_get);
+    PyObject *bound = get ? get(method, self, (PyObject *)type) : NULL;
+    PyCFunction function = NULL;
+    if (bound != NULL && PyCFunction_Check(bound) && PyCFunction_GetFlags(bound) == METH_NOARGS)
+        function = PyCFunction_GetFunction(bound);
+    if (bound == NULL)
+        PyErr_Clear();
+    Py_XDECREF(bound);
+    return function;
+}
 
 static PyObject *call_method(MethodCache *cache, PyObject *self) {
     PyTypeObject *type = Py_TYPE(self);
     if (type != cache->type) {
         PyObject *method = PyObject_GetAttr((PyObject *)type, cache->name);
+        int builtin = method != NULL && PyObject_TypeCheck(method, &PyMethodDescr_Type);
         if (method == NULL)
             PyErr_Clear();
-        else if (!PyObject_TypeCheck(method, &PyMethodDescr_Type) && Py_TYPE(method) != function_type)
+        else if (!builtin && Py_TYPE(method) != function_type)
             Py_CLEAR(method);
         PyObject *old_method = cache->method;
         PyTypeObject *old_type = cache->type;
         cache->method = method;
         cache->type = (PyTypeObject *)Py_NewRef(type);
+        cache->function = builtin ? noargs_function(method, self, type) : NULL;
         Py_XDECREF(old_method);
         Py_XDECREF(old_type);
     }
+    if (cache->function != NULL)
+        return cache->function(self, NULL);
     if (cache->method == NULL)
         return PyObject_CallMethodObjArgs(self, cache->name, NULL);
     return PyObject_CallFunctionObjArgs(cache->method, self, NULL); /* a vectorcall inside: no tuple is made */
@@ -828,11 +851,18 @@ static PyType_Spec entry_spec = {
 
 /* -- Tracker's methods ----------------------------------------------------------------------------------------------- */
 
-PyDoc_STRVAR(track_doc, "track(cache)\n--\n\nTrack a cache just made: called from the cache class's `__new__`, whose "
-                        "caller is the code that made it (its owner). Raises TypeError for a cache that cannot be "
-                        "weakly referenced.");
+PyDoc_STRVAR(track_doc, "track(cache, maker)\n--\n\nTrack a cache just made: called from the cache class's `__new__` "
+                        "with its caller's frame, the code that made it (its owner; None: unknown). Raises TypeError "
+                        "for a cache that cannot be weakly referenced.");
 
-static PyObject *tracker_track(Tracker *t, PyObject *cache) {
+/* The maker's frame comes from the `__new__` (`sys._getframe(1)`): read here, it would take that `__new__`'s own frame
+ * first, and each call's frame made into an object and dropped was ~0.5 us of a cache made between forwards. */
+static PyObject *tracker_track(Tracker *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || (args[1] != Py_None && Py_TYPE(args[1]) != frame_type)) {
+        PyErr_SetString(PyExc_TypeError, "track takes a cache and the frame that made it (or None)");
+        return NULL;
+    }
+    PyObject *cache = args[0];
     if (see_class(t, Py_TYPE(cache), 0) < 0)
         return NULL;
     int unfollowed = PySet_Contains(t->unfollowed, (PyObject *)Py_TYPE(cache));
@@ -841,15 +871,14 @@ static PyObject *tracker_track(Tracker *t, PyObject *cache) {
     Entry *e = new_entry(t, cache);
     if (e == NULL)
         return NULL;
-    PyFrameObject *here = PyEval_GetFrame(); /* the `__new__` calling this */
-    PyFrameObject *maker = here != NULL ? frame_back(here) : NULL;
-    int failed = maker == NULL && PyErr_Occurred();
-    if (!failed && t->model_known) {
+    PyFrameObject *maker = args[1] == Py_None ? NULL : (PyFrameObject *)Py_NewRef(args[1]);
+    int failed = 0;
+    if (t->model_known) {
         Py_CLEAR(e->owner);
         Py_CLEAR(e->candidate);
         failed = attribute_frame(t, maker, &e->owner, &e->candidate) < 0;
         e->pending = PyTuple_New(0);
-    } else if (!failed) {
+    } else {
         e->pending = PyObject_CallMethodObjArgs(t->delegate, s_modules_on_stack, maker ? (PyObject *)maker : Py_None,
                                                NULL);
     }
@@ -1220,7 +1249,7 @@ static PyObject *tracker_sizes(Tracker *t, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyMethodDef tracker_methods[] = {
-    {"track", (PyCFunction)tracker_track, METH_O, track_doc},
+    {"track", (PyCFunction)(void (*)(void))tracker_track, METH_FASTCALL, track_doc},
     {"mark", (PyCFunction)tracker_mark, METH_O, mark_doc},
     {"catch_up", (PyCFunction)(void (*)(void))tracker_catch_up, METH_VARARGS | METH_KEYWORDS, catch_up_doc},
     {"release", (PyCFunction)tracker_release, METH_O, release_doc},
@@ -1480,29 +1509,30 @@ static int intern_all(void) {
     return 0;
 }
 
-/* What the limited API reaches only through Python's own objects: the function type, `type`'s getters of a class's
- * MRO and dictionary (type_lookup), and the frame type's getter of `f_back` (frame_back). */
+/* What the limited API reaches only through Python's own objects: the function and frame types, `type`'s getters of
+ * a class's MRO and dictionary (type_lookup), and the frame type's getter of `f_back` (frame_back). */
 static int find_builtins(void) {
     PyObject *types = PyImport_ImportModule("types");
     function_type = types ? (PyTypeObject *)PyObject_GetAttrString(types, "FunctionType") : NULL;
-    PyObject *frame_type = types ? PyObject_GetAttrString(types, "FrameType") : NULL;
+    frame_type = types ? (PyTypeObject *)PyObject_GetAttrString(types, "FrameType") : NULL;
     Py_XDECREF(types);
     PyObject *type_dict = PyObject_GetAttrString((PyObject *)&PyType_Type, "__dict__");
     mro_getter = type_dict ? PyMapping_GetItemString(type_dict, "__mro__") : NULL;
     dict_getter = type_dict ? PyMapping_GetItemString(type_dict, "__dict__") : NULL;
     Py_XDECREF(type_dict);
-    PyObject *frame_dict = frame_type ? PyObject_GetAttrString(frame_type, "__dict__") : NULL;
+    PyObject *frame_dict = frame_type ? PyObject_GetAttrString((PyObject *)frame_type, "__dict__") : NULL;
     f_back_getter = frame_dict ? PyMapping_GetItemString(frame_dict, "f_back") : NULL;
     Py_XDECREF(frame_dict);
-    Py_XDECREF(frame_type);
-    if (function_type == NULL || mro_getter == NULL || dict_getter == NULL || f_back_getter == NULL)
+    if (function_type == NULL || frame_type == NULL || mro_getter == NULL || dict_getter == NULL ||
+        f_back_getter == NULL)
         return -1;
     mro_get = (descrgetfunc)PyType_GetSlot(Py_TYPE(mro_getter), Py_tp_descr_get);
     dict_get = (descrgetfunc)PyType_GetSlot(Py_TYPE(dict_getter), Py_tp_descr_get);
     f_back_get = (descrgetfunc)PyType_GetSlot(Py_TYPE(f_back_getter), Py_tp_descr_get);
-    if (!PyType_Check(function_type) || mro_get == NULL || dict_get == NULL || f_back_get == NULL) {
-        PyErr_SetString(PyExc_ImportError, "the tracker finds no function type, or no getters of a type's MRO or a "
-                                           "frame's caller");
+    if (!PyType_Check(function_type) || !PyType_Check(frame_type) || mro_get == NULL || dict_get == NULL ||
+        f_back_get == NULL) {
+        PyErr_SetString(PyExc_ImportError, "the tracker finds no function or frame type, or no getters of a type's "
+                                           "MRO or a frame's caller");
         return -1;
     }
     return 0;

@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
+from sys import _getframe
+from types import FrameType
 from typing import Any
 
 from kv_exporter.plugin.observe._tracker import UpdateHook, mark_updates_into
@@ -26,7 +28,7 @@ class Hooks:
     or that part not followed)."""
 
     registry: Any = None
-    track: Callable[[object], None] | None = None
+    track: Callable[[object, FrameType | None], None] | None = None
     release: Callable[[object], None] | None = None
     mark: Callable[[object], None] | None = None
     catch_up: Callable[[], None] | None = None
@@ -83,7 +85,7 @@ def tracking_new(cache_base: type[Any], own_new: Any) -> Any:
         track = Hooks.track
         if track is not None and not Hooks.is_compiling():
             try:
-                track(instance)  # the tracker reads this frame's caller: the code that made the cache
+                track(instance, _getframe(1))  # this call's caller: the code that made the cache
             except Exception as exc:
                 registry = Hooks.registry
                 if registry is not None:
