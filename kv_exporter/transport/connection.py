@@ -70,6 +70,13 @@ class State(Enum):
     CLOSED = "closed"
 
 
+# The deadlines that wait for the client's bytes; the write deadline waits for it to read ours instead.
+_WAITING_FOR_CLIENT = frozenset((State.HANDSHAKE, State.HEAD, State.BODY, State.LINGER))
+# A connection past its deadline with input unread is looked at again after this: a few turns of the loop, which
+# read that input first.
+UNREAD_INPUT_GRACE_S = 0.1
+
+
 class Host(Protocol):
     """What a connection asks of the server that keeps it."""
 
@@ -377,7 +384,13 @@ class Connection(asyncio.BufferedProtocol):
         self.host.deadline_at(deadline)
 
     def expire(self) -> None:
-        """Past its deadline (the server's sweep found it)."""
+        """Past its deadline (the server's sweep found it). Unless the client's bytes wait unread while it waits for
+        them: then the loop fell behind, not the client (this process was starved or stopped: a busy engine on the
+        same cores starves it for seconds), and it looks again once the loop has read them."""
+        if self.state in _WAITING_FOR_CLIENT and self.has_input():
+            log.debug("past its %s deadline with input unread: read first", self.state.value)
+            self.expire_in(UNREAD_INPUT_GRACE_S)
+            return
         log.debug("closing a connection past its %s deadline", self.state.value)
         self.abort()
 

@@ -34,6 +34,10 @@ _ACCEPTS_PER_WAKE = 64
 _RECV_BYTES = 64 << 10
 _SWEEP_SLACK_S = 0.001  # asyncio runs a timer up to its clock resolution early: a deadline due now is past
 _ACCEPT_RETRY_S = 1.0  # out of descriptors with nothing to drop: accept again after this, or once one closes
+# A sweep this late means the loop could not run (the process starved or stopped, or its host paused): its clients,
+# often on the same machine, may have been held as long. It expires nothing, and looks again (at most) THAW_S later.
+STALL_S = 0.25
+THAW_S = 1.0
 
 
 class Server:
@@ -55,6 +59,7 @@ class Server:
         self._busy: set[Connection] = set()
         self._at_cap = self._accepting = False
         self._sweeping: asyncio.TimerHandle | None = None
+        self._thawing = False  # the sweep now due follows a late one: it expires what is past, late or not
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self._stop_asked = False
@@ -142,10 +147,17 @@ class Server:
             self._sweeping = self._loop.call_at(deadline, self._sweep)
 
     def _sweep(self) -> None:
-        """Close the connections past their deadline; schedule the next sweep at the earliest deadline left."""
-        assert self._loop is not None
-        self._sweeping = None
-        now = self._loop.time() + _SWEEP_SLACK_S
+        """Close the connections past their deadline; schedule the next sweep at the earliest deadline left. After a
+        stall of the loop, give the clients a moment first (STALL_S)."""
+        assert self._loop is not None and self._sweeping is not None
+        due, self._sweeping = self._sweeping.when(), None
+        now = self._loop.time()
+        if now - due > STALL_S and not self._thawing:
+            self._thawing = True
+            self._sweeping = self._loop.call_later(THAW_S, self._sweep)
+            return
+        self._thawing = False
+        now += _SWEEP_SLACK_S
         for conn in list(self._connections):
             if conn.deadline <= now:
                 conn.expire()

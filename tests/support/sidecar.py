@@ -84,9 +84,18 @@ class Sidecar:
         return get(self.url + path, headers, timeout)
 
     def text(self, headers: Headers | None = None) -> str:
-        status, _, body = self.get(headers=headers)
+        """A scrape that must answer 200; a transport error fails with the sidecar's state and the end of its log."""
+        try:
+            status, _, body = self.get(headers=headers)
+        except OSError as exc:
+            raise AssertionError(f"{exc!r} from {self.described()}") from exc
         assert status == 200, (status, body[:200])
         return body.decode()
+
+    def described(self) -> str:
+        code = self.process.poll()
+        state = "running" if code is None else f"exited with {code}"
+        return f"sidecar {self.pid} ({state}), its log ending:\n{self.log()[-3000:]}"
 
     def samples(self, headers: Headers | None = None) -> Samples:
         return parse(self.text(headers))
