@@ -147,8 +147,8 @@ class Server:
             self._sweeping = self._loop.call_at(deadline, self._sweep)
 
     def _sweep(self) -> None:
-        """Close the connections past their deadline; schedule the next sweep at the earliest deadline left. After a
-        stall of the loop, give the clients a moment first (STALL_S)."""
+        """Close the connections past their deadline; schedule the next sweep at the earliest deadline left. A sweep
+        that runs more than STALL_S late gives the clients THAW_S first."""
         assert self._loop is not None and self._sweeping is not None
         due, self._sweeping = self._sweeping.when(), None
         now = self._loop.time()
