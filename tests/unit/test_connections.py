@@ -64,16 +64,16 @@ def test_a_head_has_the_head_timeout_from_its_first_byte(tmp_path: Path) -> None
     assert waited is not None and 0.4 < waited < 3
 
 
-STALL_S = 1.0
+LOOP_STALL_S = 1.0  # the injected stall; server.STALL_S is how late a sweep must run to count as one
 
 
 @pytest.fixture
 def stall_after_accepting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loop stalls for STALL_S right after accepting each connection, before the connection reads: what a busy
-    engine on the same two cores did to CI's sidecar (and its scraper), for 5 to 16 s."""
+    """The loop stalls for LOOP_STALL_S right after accepting each connection, before the connection reads: what a
+    busy engine on the same two cores did to CI's sidecar (and its scraper), for 5 to 16 s."""
 
     def tls(self: ExporterServer) -> None:  # asked on the loop for each new connection
-        asyncio.get_running_loop().call_soon(time.sleep, STALL_S)  # the loop's next turn
+        asyncio.get_running_loop().call_soon(time.sleep, LOOP_STALL_S)  # the loop's next turn
         return None
 
     monkeypatch.setattr(ExporterServer, "_tls", tls)
@@ -84,26 +84,26 @@ def test_a_request_that_came_while_the_loop_was_stalled_is_answered(tmp_path: Pa
     """The head deadline passes, a little before the loop could read the request that came meanwhile: not a stall
     the sweep's lateness shows (under server.STALL_S), but the request is there, unread. It is answered (CI's
     sidecar closed such a scrape unanswered). A connection that sent nothing is closed at its deadline."""
-    with exporter(tmp_path, limits=Limits(head_timeout_s=STALL_S - server.STALL_S / 2)) as e:
+    with exporter(tmp_path, limits=Limits(head_timeout_s=LOOP_STALL_S - server.STALL_S / 2)) as e:
         assert exchange(address(e), GET) == Exchange((200,), False)
         with socket.create_connection(address(e), timeout=10) as silent:
             waited = closed_within(silent, 10)
-    assert waited is not None and STALL_S < waited < STALL_S + 3
+    assert waited is not None and LOOP_STALL_S < waited < LOOP_STALL_S + 3
 
 
 @pytest.mark.usefixtures("stall_after_accepting")
 def test_a_client_held_with_the_loop_may_send_its_request_once_both_run(tmp_path: Path) -> None:
     """The head deadline passes long before the stall ends, and the client, held as long, sends its request only
     after: the server, which could not run either, does not count that against it. A silent one is still closed."""
-    with exporter(tmp_path, limits=Limits(head_timeout_s=STALL_S / 4)) as e:
+    with exporter(tmp_path, limits=Limits(head_timeout_s=LOOP_STALL_S / 4)) as e:
         with socket.create_connection(address(e), timeout=10) as held:
-            time.sleep(STALL_S + 0.1)
+            time.sleep(LOOP_STALL_S + 0.1)
             held.sendall(GET)
             answer = Answers(held).next(10)
         assert answer is not None and answer[0] == 200
         with socket.create_connection(address(e), timeout=10) as silent:
             waited = closed_within(silent, 10)
-    assert waited is not None and STALL_S < waited < STALL_S + server.THAW_S + 3
+    assert waited is not None and LOOP_STALL_S < waited < LOOP_STALL_S + server.THAW_S + 3
 
 
 def test_pipelined_requests_are_answered_in_order_and_head_has_no_body(tmp_path: Path) -> None:
