@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ import pytest
 
 from tests.engine.server import MAX_NUM_SEQS, SERVED_NAME, Server, start_server
 from tests.engine.tinymodel import build_model
+from tests.support.host import host_times, since
 from tests.support.scrape import Samples, absent, parse, pick
 from tests.support.sidecar import Sidecar, start_sidecar
 
@@ -42,7 +44,7 @@ CLIENTS = MAX_NUM_SEQS + 4  # always more requests than a step may run
 TOKENS = 120
 LOAD_S = 20.0  # at least; longer while the scrapes that fall wholly inside it are fewer than LOADED_SCRAPES
 LOADED_SCRAPES = 8
-MAX_LOAD_S = 120.0  # this 2-core machine's host holds every process off the CPU for up to 16 s at times
+MAX_LOAD_S = 300.0  # a CI run here once got 3 scrapes in 120 s of load (one took 52.6 s): the host held them off
 ENGINE_TIMEOUT_S = 0.5
 
 
@@ -78,6 +80,7 @@ class Run:
     during: list[Scrape]  # scrapes while the load ran
     after: Scrape  # a scrape a window after the load ended
     load_ended: float
+    host: str  # what the machine did to the scraper and the sidecar meanwhile: for the failure messages
 
 
 # The clients run in a process of their own: in this one they would hold up the scrapes' own timing (the GIL).
@@ -152,9 +155,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         during: list[Scrape] = []
         load = start_load(server)
         started = time.monotonic()
+        watched = {"the scraper": os.getpid(), "the sidecar": sidecar.pid}
+        before = host_times(watched)
         while not load_done(started, during) and load.poll() is None:
             during.append(timed_scrape(sidecar))
             time.sleep(0.05)
+        host = since(before, watched)
         outcome = json.loads(load.communicate("", timeout=180)[0])  # its last completions end meanwhile
         load_ended = time.monotonic()
         assert not outcome["errors"] and outcome["completed"] >= CLIENTS, outcome
@@ -162,7 +168,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         after = timed_scrape(sidecar)
         [logged] = server.collective_rpc("kvx_steps", "collect")
         steps = [Step(began, float("inf") if ended is None else ended, count) for began, ended, count in logged]
-        yield Run(server, sidecar, steps, during, after, load_ended)
+        yield Run(server, sidecar, steps, during, after, load_ended, host)
     finally:
         if sidecar is not None and sidecar.process.poll() is None:
             sidecar.stop()
@@ -201,7 +207,7 @@ def test_the_worker_ran_the_load(run: Run) -> None:
     assert len(run.steps) > 100, len(run.steps)
     assert max(s.count for s in run.steps) == MAX_NUM_SEQS, "the load never filled a step"
     durations = sorted(round(s.answered - s.sent, 3) for s in run.during)
-    assert len(loaded(run)) >= 5, (len(run.during), durations)
+    assert len(loaded(run)) >= 5, (len(run.during), durations, run.host)
 
 
 def test_each_running_count_is_a_batch_of_the_second_before_the_answer(run: Run) -> None:
