@@ -28,7 +28,7 @@ from tests.deploy.helpers import (
 )
 from tests.engine.server import MAX_NUM_SEQS, SERVED_NAME, VLLM_PYTHON, Server, start_server
 from tests.engine.tinymodel import build_model
-from tests.loadgen import LoadGenerator
+from tests.loadgen import CompletionClients
 from tests.support.constants import GIB
 from tests.support.sidecar import Sidecar, start_sidecar, stop_process
 
@@ -41,7 +41,7 @@ pytestmark = [
 ALERT = "ModelLocalKVProjectedPeakAboveGPUMemory"
 LOAD_S = 8.0  # at least; on until Prometheus has BUSY_SAMPLES scrapes that saw sequences running
 BUSY_SAMPLES = 3
-MAX_LOAD_S = 90.0  # here 3 such scrapes took 58 s: the clients keep 0-3 sequences in the engine at most instants
+MAX_LOAD_S = 90.0
 LOAD_CONCURRENCY = 8
 LOAD_TOKENS = 200
 SCRAPE_INTERVAL_S = 1.0  # prometheus_config's, also its scrape timeout
@@ -87,19 +87,16 @@ def rules_with_immediate_alert() -> str:
 def run_load(server: Server, busy_samples: Callable[[], int]) -> None:
     """Keep the engine busy with a plain loop of clients, each sending one completion after another (a burst of
     tiny-model completions ends within one scrape interval), for LOAD_S and on until `busy_samples()` reaches
-    BUSY_SAMPLES, at most MAX_LOAD_S: a tiny-model completion ends within a fraction of a second, and 8 threads
-    sharing this process's GIL keep 0-3 sequences in the engine at most instants, so 8 s once left every scrape
-    reading 0 running (truly: at most 2 in the window, none in the last second). This load once left every scrape
-    reading 0 while the running count came from vLLM's own page (its API server, busy with the streams, answered
-    seconds late); the worker's step record does not depend on that server."""
-
-    def send(client: int, n: int) -> object:
-        # Different lengths per client keep the requests from ending together, between two scrapes.
-        return server.completion(f"The quick brown fox {client} {n}", LOAD_TOKENS - 9 * client)
-
-    with LoadGenerator(send, LOAD_CONCURRENCY) as load:
+    BUSY_SAMPLES, at most MAX_LOAD_S. The clients run in a process of their own: as 8 threads of this process they
+    kept 0-3 sequences in the engine at most instants, and 3 scrapes seeing any took 58 s. This load once left every
+    scrape reading 0 while the running count came from vLLM's own page (its API server, busy with the streams,
+    answered seconds late); the worker's step record does not depend on that server."""
+    # Different lengths per client keep the requests from ending together, between two scrapes.
+    clients = CompletionClients(server.url("/v1/completions"), SERVED_NAME, LOAD_CONCURRENCY, LOAD_TOKENS, -9)
+    with clients as load:
         started = time.monotonic()
         while (ran := time.monotonic() - started) < MAX_LOAD_S and (ran < LOAD_S or busy_samples() < BUSY_SAMPLES):
+            assert load.running(), "the clients' process ended"
             time.sleep(0.5)
     assert not load.errors, load.errors[:3]
     assert load.completed >= LOAD_CONCURRENCY

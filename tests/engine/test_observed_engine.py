@@ -55,10 +55,10 @@ from tests.engine.observed import (
     read_once,
     sample_figures,
 )
-from tests.engine.server import MAX_NUM_SEQS, Server, start_server
+from tests.engine.server import MAX_NUM_SEQS, SERVED_NAME, Server, start_server
 from tests.engine.testplugin.kvx_testplugin import geometry as g
 from tests.engine.tinymodel import build_model
-from tests.loadgen import LoadGenerator
+from tests.loadgen import CompletionClients
 from tests.openai_server import parent_pid
 from tests.support.constants import FIXTURES, UPDATE_FIXTURES_ENV
 from tests.support.scrape import parse
@@ -127,13 +127,10 @@ def busy_samples(readings: list[Reading]) -> int:
 
 
 def under_load(server: Server, running: Sidecar, manifest: Path) -> tuple[list[Reading], int, list[tuple[float, bool]]]:
-    def send(client: int, n: int) -> object:
-        # Lengths differ per client: requests start and finish at different steps, so caches come and go throughout.
-        return server.completion(f"The quick brown fox {client} {n}", 40 + 17 * client)
-
     readings: list[Reading] = []
     scrapes: list[tuple[float, bool]] = []
-    with LoadGenerator(send, CLIENTS) as load:
+    # Lengths differ per client: requests start and finish at different steps, so caches come and go throughout.
+    with CompletionClients(server.url("/v1/completions"), SERVED_NAME, CLIENTS, 40, 17) as load:
         started = time.monotonic()
         while time.monotonic() - started < MAX_LOAD_S:
             began = time.monotonic()

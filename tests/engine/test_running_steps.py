@@ -20,10 +20,7 @@ another.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +29,7 @@ import pytest
 
 from tests.engine.server import MAX_NUM_SEQS, SERVED_NAME, Server, start_server
 from tests.engine.tinymodel import build_model
+from tests.loadgen import CompletionClients
 from tests.support.host import host_times, since
 from tests.support.scrape import Samples, absent, parse, pick
 from tests.support.sidecar import Sidecar, start_sidecar
@@ -83,40 +81,6 @@ class Run:
     host: str  # what the machine did to the scraper and the sidecar meanwhile: for the failure messages
 
 
-# The clients run in a process of their own: in this one they would hold up the scrapes' own timing (the GIL).
-LOAD_SCRIPT = """
-import json, sys, threading, time, urllib.request
-url, model, clients, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-done, errors, stop = [0], [], threading.Event()
-def client(i):
-    n = 0
-    while not stop.is_set():
-        body = {"model": model, "prompt": f"The quick brown fox {i} {n}", "max_tokens": tokens, "temperature": 0,
-                "ignore_eos": True}
-        request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-        try:
-            urllib.request.urlopen(request, timeout=120).read()
-            done[0] += 1
-        except Exception as exc:
-            errors.append(repr(exc))
-            return
-        n += 1
-threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-for t in threads: t.start()
-sys.stdin.read()  # until the test closes it
-stop.set()
-for t in threads: t.join()
-print(json.dumps({"completed": done[0], "errors": errors}))
-"""
-
-
-def start_load(server: Server) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-c", LOAD_SCRIPT, server.url("/v1/completions"), SERVED_NAME]
-    return subprocess.Popen(
-        [*argv, str(CLIENTS), str(TOKENS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-
-
 def load_done(started: float, during: list[Scrape]) -> bool:
     """LOAD_S have passed and LOADED_SCRAPES were sent a window past the load's first seconds (the first step comes
     within them), or MAX_LOAD_S have passed: a host that held the scraper for most of LOAD_S stretches the load."""
@@ -153,17 +117,16 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         )
         server.collective_rpc("kvx_steps", "on")
         during: list[Scrape] = []
-        load = start_load(server)
-        started = time.monotonic()
         watched = {"the scraper": os.getpid(), "the sidecar": sidecar.pid}
-        before = host_times(watched)
-        while not load_done(started, during) and load.poll() is None:
-            during.append(timed_scrape(sidecar))
-            time.sleep(0.05)
-        host = since(before, watched)
-        outcome = json.loads(load.communicate("", timeout=180)[0])  # its last completions end meanwhile
+        with CompletionClients(server.url("/v1/completions"), SERVED_NAME, CLIENTS, TOKENS) as load:
+            started = time.monotonic()
+            before = host_times(watched)
+            while not load_done(started, during) and load.running():
+                during.append(timed_scrape(sidecar))
+                time.sleep(0.05)
+            host = since(before, watched)
         load_ended = time.monotonic()
-        assert not outcome["errors"] and outcome["completed"] >= CLIENTS, outcome
+        assert not load.errors and load.completed >= CLIENTS, (load.completed, load.errors[:3])
         time.sleep(WINDOW_S + BUCKET_S + RECENT_S + 0.5)
         after = timed_scrape(sidecar)
         [logged] = server.collective_rpc("kvx_steps", "collect")

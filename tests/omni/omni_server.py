@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.loadgen import LoadGenerator
+from tests.loadgen import CompletionClients
 from tests.openai_server import OpenAIServer, alive, stat_fields
 from tests.support.constants import REPO
 from tests.support.net import free_port
@@ -216,14 +216,11 @@ def start_server(release: Release, workdir: Path, model_dir: Path, manifest_dir:
     return OmniServer(release, model_dir, port, proc, log_path, manifest_dir, report_dir, time.monotonic())
 
 
-def load_generator(server: OmniServer, clients: int, max_tokens: int) -> LoadGenerator:
+def load_generator(server: OmniServer, clients: int, max_tokens: int) -> CompletionClients:
     """Clients with different lengths, so their requests do not all end in the same engine step: vllm-omni
     snapshots its per-stage gauge about once a second, and a snapshot taken as a synchronized batch ends reads 0."""
-
-    def send(client: int, n: int) -> object:
-        return server.completion(f"cache key value {client} {n}", max_tokens + 13 * client)
-
-    return LoadGenerator(send, clients)
+    url = server.url("/v1/completions")
+    return CompletionClients(url, server.model_name, clients, max_tokens, 13, prompt="cache key value")
 
 
 def burst(server: OmniServer, count: int, max_tokens: int) -> None:

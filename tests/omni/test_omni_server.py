@@ -222,10 +222,8 @@ def test_sidecar_reads_the_workers_and_the_estimate_follows_the_running_count(
     for reading in idle.values():
         assert reading == EngineReading(running=0, window_estimate=0, static_estimate=static_row)
 
-    load = load_generator(omni, CLIENTS, max_tokens=48)
     samples: list[dict[int, EngineReading]] = []
-    load.start()
-    try:
+    with load_generator(omni, CLIENTS, max_tokens=48) as load:
         started = time.monotonic()
         while time.monotonic() - started < MAX_LOAD_S:
             samples.append(sidecar_readings(sidecar.text(), omni.model_name))
@@ -233,8 +231,6 @@ def test_sidecar_reads_the_workers_and_the_estimate_follows_the_running_count(
             if concurrent and time.monotonic() - started >= MIN_LOAD_S:
                 break
             time.sleep(SAMPLE_EVERY_S)
-    finally:
-        load.stop()
     assert not load.errors, load.errors[:3]
     assert load.completed >= CLIENTS
 
