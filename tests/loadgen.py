@@ -67,7 +67,10 @@ class CompletionClients:
         assert self._process is not None
         try:
             if error is None:
-                outcome = json.loads(self._process.communicate("", timeout=STOP_TIMEOUT_S)[0])
+                out = self._process.communicate("", timeout=STOP_TIMEOUT_S)[0]
+                code = self._process.returncode
+                assert code == 0 and out, f"the clients' process ended with {code}, printing {out[-300:]!r}"
+                outcome = json.loads(out)
                 self.completed, self.errors = outcome["completed"], outcome["errors"]
         finally:
             if self._process.poll() is None:
