@@ -60,7 +60,11 @@ class CompletionClients:
         return self._process is not None and self._process.poll() is None
 
     def __enter__(self) -> CompletionClients:
-        self._process = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        # A session of its own, like the engine's: where the kernel shares CPU time between sessions (autogroup, on
+        # here) the clients no longer take theirs from the test's scraper and its sidecar, which share one session.
+        self._process = subprocess.Popen(
+            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
         return self
 
     def __exit__(self, error: type[BaseException] | None, *_: object) -> None:

@@ -2,8 +2,8 @@
 was late because the product was slow or because the host held the scraper and the sidecar off the CPU (on these
 2-core machines it has, for tens of seconds under an engine's load).
 
-Read from the kernel's own accounts: each process's time waiting on a run queue (`/proc/PID/schedstat`, its main
-thread), the time the hypervisor took the CPUs (`steal` in `/proc/stat`) and the pressure stall totals
+Read from the kernel's own accounts: each process's time waiting on a run queue (`/proc/PID/task/*/schedstat`, its
+threads together), the time the hypervisor took the CPUs (`steal` in `/proc/stat`) and the pressure stall totals
 (`/proc/pressure/*`, where the kernel has them).
 """
 
@@ -21,7 +21,7 @@ PRESSURES = (("cpu", "some"), ("io", "some"), ("io", "full"), ("memory", "some")
 @dataclass(frozen=True)
 class HostTimes:
     at: float  # CLOCK_MONOTONIC
-    waited_s: dict[int, float]  # pid -> its main thread's total run-queue wait; absent once it is gone
+    waited_s: dict[int, float]  # pid -> its threads' total run-queue wait; absent once it is gone
     steal_s: float
     stalled_s: dict[str, float]  # "cpu some" -> total seconds some task stalled on it
 
@@ -36,7 +36,7 @@ def since(before: HostTimes, pids: dict[str, int]) -> str:
     """What happened from `before` to now, in words."""
     now = host_times(pids)
     waits = ", ".join(
-        f"{name} waited {now.waited_s[pid] - before.waited_s[pid]:.1f} s for a CPU"
+        f"{name}'s threads waited {now.waited_s[pid] - before.waited_s[pid]:.1f} s for a CPU"
         for name, pid in pids.items()
         if pid in now.waited_s and pid in before.waited_s
     )
@@ -52,10 +52,18 @@ def since(before: HostTimes, pids: dict[str, int]) -> str:
 
 
 def _run_queue_wait_s(pid: int) -> float | None:
+    """The run-queue wait of all the process's threads together (the sidecar answers from a thread of its own)."""
     try:
-        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
         return None
+    waited = 0
+    for task in tasks:
+        try:
+            waited += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return waited / 1e9
 
 
 def _steal_s() -> float:
