@@ -12,6 +12,8 @@ import json
 import subprocess
 import sys
 
+from tests.openai_server import COMPLETIONS_PATH, OpenAIServer
+
 STOP_TIMEOUT_S = 180  # the requests in flight end first: at most max_tokens steps of a loaded CPU engine
 
 # The clients' process: argv url, model, prompt, clients, tokens, tokens_step; runs until its stdin closes, then
@@ -44,14 +46,20 @@ print(json.dumps({"completed": done[0], "errors": errors}))
 
 
 class CompletionClients:
-    """`clients` clients, each sending one completion after another to an OpenAI server's `/v1/completions` URL until
-    the block ends (its requests then in flight finish first); `completed` and `errors` are read after it."""
+    """`clients` clients, each sending one completion after another to `server` until the block ends (its requests
+    then in flight finish first); `completed` and `errors` are read after it."""
 
     def __init__(
-        self, url: str, model: str, clients: int, tokens: int, tokens_step: int = 0, prompt: str = "The quick brown fox"
+        self,
+        server: OpenAIServer,
+        model: str,
+        clients: int,
+        tokens: int,
+        tokens_step: int = 0,
+        prompt: str = "The quick brown fox",
     ) -> None:
         counts = (str(clients), str(tokens), str(tokens_step))
-        self.argv = [sys.executable, "-c", _CLIENTS_SCRIPT, url, model, prompt, *counts]
+        self.argv = [sys.executable, "-c", _CLIENTS_SCRIPT, server.url(COMPLETIONS_PATH), model, prompt, *counts]
         self.completed = 0
         self.errors: list[str] = []
         self._process: subprocess.Popen[str] | None = None

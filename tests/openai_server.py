@@ -45,6 +45,9 @@ def parent_pid(pid: int) -> int:
     return int(fields[1])
 
 
+COMPLETIONS_PATH = "/v1/completions"
+
+
 class OpenAIServer:
     """Client side of a server process started by a test; the concrete dataclass supplies these fields."""
 
@@ -91,7 +94,7 @@ class OpenAIServer:
             return result
 
     def post_completion(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self.post_json("/v1/completions", body)
+        return self.post_json(COMPLETIONS_PATH, body)
 
     def metrics_page(self) -> str:
         with urllib.request.urlopen(self.url("/metrics"), timeout=30) as response:

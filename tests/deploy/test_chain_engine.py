@@ -92,8 +92,7 @@ def run_load(server: Server, busy_samples: Callable[[], int]) -> None:
     scrape reading 0 while the running count came from vLLM's own page (its API server, busy with the streams,
     answered seconds late); the worker's step record does not depend on that server."""
     # Different lengths per client keep the requests from ending together, between two scrapes.
-    clients = CompletionClients(server.url("/v1/completions"), SERVED_NAME, LOAD_CONCURRENCY, LOAD_TOKENS, -9)
-    with clients as load:
+    with CompletionClients(server, SERVED_NAME, LOAD_CONCURRENCY, LOAD_TOKENS, tokens_step=-9) as load:
         started = time.monotonic()
         while (ran := time.monotonic() - started) < MAX_LOAD_S and (ran < LOAD_S or busy_samples() < BUSY_SAMPLES):
             assert load.running(), "the clients' process ended"

@@ -130,7 +130,7 @@ def under_load(server: Server, running: Sidecar, manifest: Path) -> tuple[list[R
     readings: list[Reading] = []
     scrapes: list[tuple[float, bool]] = []
     # Lengths differ per client: requests start and finish at different steps, so caches come and go throughout.
-    with CompletionClients(server.url("/v1/completions"), SERVED_NAME, CLIENTS, 40, 17) as load:
+    with CompletionClients(server, SERVED_NAME, CLIENTS, 40, tokens_step=17) as load:
         started = time.monotonic()
         while time.monotonic() - started < MAX_LOAD_S:
             began = time.monotonic()

@@ -118,14 +118,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         )
         server.collective_rpc("kvx_steps", "on")
         during: list[Scrape] = []
-        watched = {"the scraper": os.getpid(), "the sidecar": sidecar.pid}
-        with CompletionClients(server.url("/v1/completions"), SERVED_NAME, CLIENTS, TOKENS) as load:
+        with CompletionClients(server, SERVED_NAME, CLIENTS, TOKENS) as load:
             started = time.monotonic()
-            before = host_times(watched)
+            before = host_times({"the scraper": os.getpid(), "the sidecar": sidecar.pid})
             while not load_done(started, during) and load.running():
                 during.append(timed_scrape(sidecar))
                 time.sleep(0.05)
-            host = since(before, watched)
+            host = since(before)
         load_ended = time.monotonic()
         assert not load.errors and load.completed >= CLIENTS, (load.completed, load.errors[:3])
         time.sleep(WINDOW_S + BUCKET_S + RECENT_S + 0.5)

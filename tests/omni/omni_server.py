@@ -219,8 +219,7 @@ def start_server(release: Release, workdir: Path, model_dir: Path, manifest_dir:
 def load_generator(server: OmniServer, clients: int, max_tokens: int) -> CompletionClients:
     """Clients with different lengths, so their requests do not all end in the same engine step: vllm-omni
     snapshots its per-stage gauge about once a second, and a snapshot taken as a synchronized batch ends reads 0."""
-    url = server.url("/v1/completions")
-    return CompletionClients(url, server.model_name, clients, max_tokens, 13, prompt="cache key value")
+    return CompletionClients(server, server.model_name, clients, max_tokens, tokens_step=13, prompt="cache key value")
 
 
 def burst(server: OmniServer, count: int, max_tokens: int) -> None:

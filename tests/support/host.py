@@ -21,6 +21,7 @@ PRESSURES = (("cpu", "some"), ("io", "some"), ("io", "full"), ("memory", "some")
 @dataclass(frozen=True)
 class HostTimes:
     at: float  # CLOCK_MONOTONIC
+    pids: dict[str, int]  # the processes watched, by name
     waited_s: dict[int, float]  # pid -> its threads' total run-queue wait; absent once it is gone
     steal_s: float
     stalled_s: dict[str, float]  # "cpu some" -> total seconds some task stalled on it
@@ -29,15 +30,15 @@ class HostTimes:
 def host_times(pids: dict[str, int]) -> HostTimes:
     """Now, for the named processes (e.g. {"test": os.getpid(), "sidecar": sidecar.pid})."""
     waited = {pid: wait for pid in pids.values() if (wait := _run_queue_wait_s(pid)) is not None}
-    return HostTimes(time.monotonic(), waited, _steal_s(), _stalled_s())
+    return HostTimes(time.monotonic(), pids, waited, _steal_s(), _stalled_s())
 
 
-def since(before: HostTimes, pids: dict[str, int]) -> str:
-    """What happened from `before` to now, in words."""
-    now = host_times(pids)
+def since(before: HostTimes) -> str:
+    """What happened to `before`'s processes from then to now, in words."""
+    now = host_times(before.pids)
     waits = ", ".join(
         f"{name}'s threads waited {now.waited_s[pid] - before.waited_s[pid]:.1f} s for a CPU"
-        for name, pid in pids.items()
+        for name, pid in before.pids.items()
         if pid in now.waited_s and pid in before.waited_s
     )
     stalls = ", ".join(
